@@ -1,0 +1,50 @@
+"""``vllm-tokenswift`` command line: one sub-command per job.
+
+Each sub-command lives in its own module exposing ``add_parser(subparsers)``;
+this file only dispatches, so the modules stay independent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+#: sub-command name -> module with ``add_parser(subparsers)`` that sets ``func``.
+SUBCOMMANDS = {
+    "paths": "vllm_tokenswift.assets_cli",
+    "generate": "vllm_tokenswift.generate",
+    "demo": "vllm_tokenswift.generate",
+    "train-heads": "vllm_tokenswift.training.cli",
+    "eval-heads": "vllm_tokenswift.training.cli",
+    "bench": "vllm_tokenswift.bench.cli",
+    "project": "vllm_tokenswift.bench.roofline",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-tokenswift",
+                                     description="TokenSwift speculative decoding for vLLM")
+    sub = parser.add_subparsers(dest="command", required=True)
+    seen = set()
+    for mod_name in dict.fromkeys(SUBCOMMANDS.values()):
+        try:
+            mod = importlib.import_module(mod_name)
+        except ModuleNotFoundError as e:
+            if e.name and e.name.startswith("vllm_tokenswift"):
+                continue  # sub-command not built into this version
+            raise
+        mod.add_parser(sub)
+        seen.add(mod_name)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    rc = args.func(args)
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""TokenSwift settings: one validated pydantic model for everything under the
+``"tokenswift"`` key of vLLM's speculative config.
+
+Users write::
+
+    speculative_config={"method": "tokenswift", "model": HEADS_DIR,
+                        "num_speculative_tokens": 4,
+                        "tokenswift": {"kv_budget": 4096, ...}}
+
+The plugin (``vllm_tokenswift.plugin``) validates the nested dict with
+:class:`TokenSwiftConfig` in the front-end process, before vLLM builds its own
+``SpeculativeConfig``, so a bad value fails at engine start with a message that
+names the field. Block-size dependent checks run again in the worker when the
+proposer is built (:meth:`TokenSwiftConfig.check_block_size`), still before
+any request is served.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+#: Key under ``vllm_config.additional_config`` that carries the validated settings
+#: from the front end to the worker processes.
+ADDITIONAL_CONFIG_KEY = "tokenswift"
+
+#: Number of dependent draft heads of a TokenSwift checkpoint (paper Sec 3.2).
+DEFAULT_NUM_HEADS = 3
+
+
+class TokenSwiftConfigError(ValueError):
+    """Raised when a TokenSwift setting is invalid; the message names the field."""
+
+
+class TokenSwiftConfig(BaseModel):
+    """Validated TokenSwift proposer settings.
+
+    Attributes:
+        kv_budget: Draft KV budget |B| in tokens (paper Sec 3.3). The draft forward
+            attends to at most this many cached tokens per layer (rounded down to
+            whole KV blocks, plus the newest token's own block). Contexts shorter
+            than the budget are used whole.
+        sink_tokens: |S|, the first tokens always kept in the draft view
+            (attention sinks); rounded up to whole blocks.
+        ngram_n: n of the n-gram table used for token reutilization (Sec 3.2).
+        ngram_topk: k, the number of most frequent n-grams retrieved per step;
+            0 disables token reutilization (ablation "k=0").
+        tree: Candidates per distribution ``[l_0, l_1, l_2, l_3]``; the paper's
+            ``[1, 3, 3, 3]``. Its length must be ``num_heads + 1``. vLLM verifies
+            one chain, so the tree is the candidate set the chain is chosen from.
+        draft_kv: ``"dynamic"`` (Sec 3.3: re-selected as the recent part fills the
+            budget), ``"static"`` (selected once after prefill, ablation) or
+            ``"full"`` (no budget: the whole block table, ablation).
+        use_heads: Use the trained draft heads for ``l_1..l_3``; ``False`` drafts
+            only ``l_0`` from the LM head plus n-grams (ablation "heads off").
+        draft_penalty: Apply the request's repetition penalty (windowed or not),
+            temperature and min_p to the draft distributions so drafts aim at what
+            the target accepts (Sec 3.4). Off only for the ablation.
+        ngram_min_conf: Chains longer than ``num_heads + 1`` tokens are extended
+            with n-gram continuations only while each extra token's estimated
+            acceptance probability is at least this value.
+        heads: Path of the heads checkpoint (taken from the speculative config's
+            ``"model"``); ``None`` only when ``use_heads`` is false.
+        num_speculative_tokens: Longest chain proposed per step (from the
+            speculative config).
+        num_heads: Number of draft heads expected in the checkpoint.
+        log_interval_s: Seconds between the plugin's own metric log lines
+            (0 disables the periodic log line).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kv_budget: int = Field(4096, ge=1)
+    sink_tokens: int = Field(16, ge=0)
+    ngram_n: int = Field(4, ge=2, le=16)
+    ngram_topk: int = Field(20, ge=0, le=1000)
+    tree: list[int] = Field(default_factory=lambda: [1, 3, 3, 3])
+    draft_kv: Literal["dynamic", "static", "full"] = "dynamic"
+    use_heads: bool = True
+    draft_penalty: bool = True
+    ngram_min_conf: float = Field(0.3, ge=0.0, le=1.0)
+    heads: str | None = None
+    num_speculative_tokens: int = Field(4, ge=1, le=64)
+    num_heads: int = Field(DEFAULT_NUM_HEADS, ge=0, le=16)
+    log_interval_s: float = Field(10.0, ge=0.0)
+
+    @field_validator("tree")
+    @classmethod
+    def _tree_positive(cls, v: list[int]) -> list[int]:
+        if not v:
+            raise ValueError("tree must list at least one candidate count (for l_0)")
+        if any(int(c) < 1 for c in v):
+            raise ValueError(f"tree entries must be >= 1, got {v}")
+        return [int(c) for c in v]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "TokenSwiftConfig":
+        if len(self.tree) != self.num_heads + 1:
+            raise ValueError(
+                f"tree has {len(self.tree)} entries but {self.num_heads} draft heads give "
+                f"{self.num_heads + 1} distributions (l_0..l_{self.num_heads}); use e.g. "
+                f"{[1] + [3] * self.num_heads}"
+            )
+        if self.use_heads and self.num_heads > 0 and not self.heads:
+            raise ValueError(
+                'use_heads is true but no heads checkpoint was given: set the speculative '
+                'config\'s "model" to a heads folder (or "tokenswift": {"use_heads": false})'
+            )
+        return self
+
+    @property
+    def num_draft_distributions(self) -> int:
+        """Distributions one draft forward yields: ``l_0`` plus one per used head."""
+        return 1 + (self.num_heads if self.use_heads else 0)
+
+    def check_block_size(self, block_size: int) -> None:
+        """Check the budget against the KV block size (run at worker start-up).
+
+        Raises:
+            TokenSwiftConfigError: if ``kv_budget`` cannot hold the sink blocks plus
+                at least two more blocks (one selected, one recent).
+        """
+        if self.draft_kv == "full":
+            return
+        sink_blocks = -(-self.sink_tokens // block_size)
+        need = (sink_blocks + 2) * block_size
+        if self.kv_budget < need:
+            raise TokenSwiftConfigError(
+                f"tokenswift.kv_budget={self.kv_budget} is too small for block_size={block_size} "
+                f"and sink_tokens={self.sink_tokens}: the draft view needs at least {need} tokens "
+                f"(sink blocks + one selected block + the newest token's block)"
+            )
+
+    @classmethod
+    def from_speculative_dict(cls, spec: dict[str, Any]) -> "TokenSwiftConfig":
+        """Build from a user's speculative-config dict (``method == "tokenswift"``).
+
+        Args:
+            spec: the dict given to ``LLM(speculative_config=...)`` or
+                ``--speculative-config``; its ``"tokenswift"`` key holds the settings,
+                ``"model"`` the heads path, ``"num_speculative_tokens"`` the chain length.
+
+        Raises:
+            TokenSwiftConfigError: on an unknown key or an invalid value.
+        """
+        raw = spec.get("tokenswift") or {}
+        if not isinstance(raw, dict):
+            raise TokenSwiftConfigError(f'"tokenswift" must be a JSON object, got {type(raw).__name__}')
+        data = dict(raw)
+        if spec.get("model") is not None:
+            data.setdefault("heads", str(spec["model"]))
+        if spec.get("num_speculative_tokens") is not None:
+            data.setdefault("num_speculative_tokens", spec["num_speculative_tokens"])
+        return cls.parse(data)
+
+    @classmethod
+    def parse(cls, data: dict[str, Any]) -> "TokenSwiftConfig":
+        """Validate a plain dict; pydantic errors become :class:`TokenSwiftConfigError`."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            lines = []
+            for err in e.errors():
+                loc = ".".join(str(x) for x in err["loc"]) or "tokenswift"
+                lines.append(f"  tokenswift.{loc}: {err['msg']}")
+            raise TokenSwiftConfigError("invalid TokenSwift config:\n" + "\n".join(lines)) from None

@@ -1,0 +1,5 @@
+"""Placeholder; replaced by the real plugin."""
+
+
+def register() -> None:
+    return None
