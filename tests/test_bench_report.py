@@ -1,0 +1,291 @@
+"""Benchmark report (vllm_tokenswift.bench.report) on synthetic records, plus the pure
+helpers of the harness and the bench CLI parser. No engine is started here."""
+
+import argparse
+import csv
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_tokenswift.bench import harness, report
+
+
+def _rec(method, tps, gen=1024, b=1, sampling="greedy", rep=0, **kw):
+    r = {"method": method, "gen_len": gen, "batch_size": b, "sampling": sampling, "repeat": rep,
+         "status": "ok", "tokens_per_s": tps, "latency_per_token_ms": 1000.0 / tps * b,
+         "num_tokens": gen * b, "wall_s": gen * b / tps}
+    r.update(kw)
+    return r
+
+
+def test_distinct_n_exact():
+    toks = [1, 2, 1, 2, 3]
+    assert report.distinct_n(toks, 1) == pytest.approx(3 / 5)
+    assert report.distinct_n(toks, 2) == pytest.approx(3 / 4)  # (1,2) (2,1) (1,2) (2,3)
+    assert report.distinct_n(toks, 3) == pytest.approx(3 / 3)
+    assert report.distinct_n(toks, 4) == pytest.approx(2 / 2)
+    assert report.distinct_n([7, 7, 7, 7], 1) == pytest.approx(1 / 4)
+    assert report.distinct_n([7, 7, 7, 7], 2) == pytest.approx(1 / 3)
+    assert report.distinct_n([1, 2], 3) is None
+
+
+def test_distinct_scores_average_per_output():
+    d = report.distinct_scores([[1, 2, 1, 2, 3], [7, 7, 7, 7]])
+    assert d["distinct_1"] == pytest.approx((3 / 5 + 1 / 4) / 2)
+    assert d["distinct_2"] == pytest.approx((3 / 4 + 1 / 3) / 2)
+    assert d["distinct_4"] == pytest.approx((1.0 + 1 / 1) / 2)
+    assert report.distinct_scores([[1]])["distinct_2"] is None
+
+
+def _metric(name, value=None, values=None):
+    return SimpleNamespace(name=name, labels={}, value=value, values=values)
+
+
+def test_counters_delta_and_acceptance_exact():
+    before = report.spec_counters_from_metrics([
+        _metric("vllm:spec_decode_num_drafts", 10),
+        _metric("vllm:spec_decode_num_draft_tokens", 40),
+        _metric("vllm:spec_decode_num_accepted_tokens", 12),
+        _metric("vllm:spec_decode_num_accepted_tokens_per_pos", values=[6, 4, 2, 0]),
+        _metric("vllm:num_requests_running", 1),
+    ])
+    after = report.spec_counters_from_metrics([
+        {"name": "vllm:spec_decode_num_drafts", "value": 30},
+        {"name": "vllm:spec_decode_num_draft_tokens", "value": 110},
+        {"name": "vllm:spec_decode_num_accepted_tokens", "value": 60},
+        {"name": "vllm:spec_decode_num_accepted_tokens_per_pos", "values": [20, 14, 10, 4]},
+    ])
+    d = report.counter_delta(before, after)
+    assert d == {"num_drafts": 20, "num_draft_tokens": 70, "num_accepted_tokens": 48,
+                 "accepted_per_pos": [14, 10, 8, 4]}
+    acc = report.acceptance_from_counters(d, num_speculative_tokens=4)
+    assert acc["acceptance_rate"] == pytest.approx(48 / (4 * 20))  # Eq. 4 = 0.6
+    assert acc["mean_accepted_length"] == pytest.approx(1 + 48 / 20)  # 3.4
+    assert acc["draft_token_acceptance"] == pytest.approx(48 / 70)
+    assert acc["acceptance_per_pos"] == pytest.approx([0.7, 0.5, 0.4, 0.2])
+    none = report.acceptance_from_counters({"num_drafts": 0}, 4)
+    assert none["acceptance_rate"] is None and none["mean_accepted_length"] is None
+
+
+def test_counter_sum_over_engines():
+    c = report.spec_counters_from_metrics([_metric("vllm:spec_decode_num_drafts", 3),
+                                           _metric("vllm:spec_decode_num_drafts", 4)])
+    assert c["num_drafts"] == 7
+
+
+def test_throughput():
+    t = report.throughput(num_tokens=2000, wall_s=4.0, batch_size=2)
+    assert t["tokens_per_s"] == pytest.approx(500.0)
+    assert t["latency_per_token_ms"] == pytest.approx(4.0)  # 1000 tokens per sequence in 4 s
+
+
+def test_speedup_is_method_over_ar():
+    recs = [_rec("ar", 100.0, rep=0), _rec("ar", 120.0, rep=1), _rec("ar", 80.0, rep=2),
+            _rec("tokenswift", 300.0), _rec("ngram", 150.0),
+            _rec("ngram", 50.0, sampling="paper"),  # no AR for paper: None
+            {**_rec("suffix", 1.0), "status": "unavailable", "tokens_per_s": None}]
+    report.compute_speedups(recs)
+    assert recs[3]["speedup_vs_ar"] == pytest.approx(3.0)  # 300 / median(100, 120, 80)
+    assert recs[4]["speedup_vs_ar"] == pytest.approx(1.5)
+    assert recs[0]["speedup_vs_ar"] == pytest.approx(1.0)
+    assert recs[5]["speedup_vs_ar"] is None
+    assert recs[6]["speedup_vs_ar"] is None
+    # Eq. 5: AR latency / method latency gives the same number
+    assert recs[3]["speedup_vs_ar"] == pytest.approx(
+        10.0 / recs[3]["latency_per_token_ms"])
+
+
+def _records():
+    recs = [
+        _rec("ar", 100.0, rep=0, distinct_1=0.5), _rec("ar", 110.0, rep=1, distinct_1=0.5),
+        _rec("tokenswift", 250.0, rep=0, acceptance_rate=0.5, mean_accepted_length=3.0,
+             ngram_acceptance=0.2, draft_time_share=0.3, time_draft_s=1.0, time_verify_s=2.0,
+             identical_to_ar=True),
+        _rec("tokenswift", 350.0, rep=1, acceptance_rate=0.7, mean_accepted_length=3.8,
+             ngram_acceptance=0.3, draft_time_share=0.3, time_draft_s=1.2, time_verify_s=2.1,
+             identical_to_ar=True),
+        _rec("ar", 90.0, gen=2048), _rec("tokenswift", 300.0, gen=2048, acceptance_rate=0.8,
+                                          time_draft_s=2.0, time_verify_s=3.0),
+        _rec("ngram", 120.0, acceptance_rate=0.1, sampling="greedy"),
+        {**_rec("suffix", 1.0), "status": "unavailable", "tokens_per_s": None,
+         "latency_per_token_ms": None, "note": "unavailable: arctic-inference missing"},
+    ]
+    return report.compute_speedups(recs)
+
+
+def test_summary_median_and_min():
+    rows = report.summarize(_records())
+    by = {(r["method"], r["gen_len"]): r for r in rows}
+    ts = by[("tokenswift", 1024)]
+    assert ts["repeats"] == 2
+    assert ts["tokens_per_s_median"] == pytest.approx(300.0)
+    assert ts["tokens_per_s_min"] == pytest.approx(250.0)
+    assert ts["latency_ms_min"] == pytest.approx(1000.0 / 350.0)
+    assert ts["speedup_median"] == pytest.approx(300.0 / 105.0)
+    assert ts["acceptance_rate"] == pytest.approx(0.6)
+    assert ts["identical_to_ar"] is True
+    assert by[("suffix", 1024)]["status"] == "unavailable"
+    assert by[("suffix", 1024)]["repeats"] == 0
+
+
+def test_markdown_rows():
+    rows = report.summarize(_records())
+    md = report.markdown_table(rows)
+    lines = md.splitlines()
+    assert lines[0].startswith("| method | sampling | batch | gen_len |")
+    assert len(lines) == 2 + len(rows) == 2 + 6
+    ts_line = next(line for line in lines if line.startswith("| tokenswift | greedy | 1 | 1024 |"))
+    cells = [c.strip() for c in ts_line.strip("|").split("|")]
+    col = dict(zip(report.SUMMARY_COLUMNS, cells))
+    assert col["repeats"] == "2"
+    assert col["tok/s med"] == "300.0"
+    assert col["tok/s min"] == "250.0"
+    assert col["speedup med"] == "2.86"
+    assert col["alpha"] == "0.600"
+    assert col["identical to AR"] == "yes"
+    suffix_line = next(line for line in lines if line.startswith("| suffix |"))
+    assert "unavailable: arctic-inference missing" in suffix_line
+    assert "unavailable: unavailable" not in suffix_line
+
+
+def test_write_report_files(tmp_path):
+    recs = _records()
+    paths = report.write_report(recs, str(tmp_path), meta={"model": "toy"})
+    with open(paths["csv"], newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0].keys()) == report.RECORD_FIELDS
+    for col in ("method", "gen_len", "batch_size", "sampling", "repeat", "tokens_per_s",
+                "latency_per_token_ms", "speedup_vs_ar", "acceptance_rate",
+                "mean_accepted_length", "ngram_acceptance", "draft_time_share",
+                "identical_to_ar", "distinct_1", "distinct_2", "distinct_3", "distinct_4",
+                "num_tokens", "wall_s"):
+        assert col in rows[0]
+    assert len(rows) == len(recs)
+    assert rows[2]["method"] == "tokenswift" and float(rows[2]["speedup_vs_ar"]) == pytest.approx(250 / 105)
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert len(data) == len(recs) and data[0]["method"] == "ar"
+    md = (tmp_path / "summary.md").read_text()
+    assert "| tokenswift | greedy | 1 | 1024 | 2 |" in md and "**model**: toy" in md
+    assert len(paths["plots"]) == 3
+    for p in paths["plots"]:
+        with open(p, "rb") as f:
+            head = f.read(8)
+        assert head == b"\x89PNG\r\n\x1a\n"
+        assert (tmp_path / p.split("/")[-1]).stat().st_size > 1000
+
+
+def test_plots_without_speculative_runs(tmp_path):
+    paths = report.write_plots([_rec("ar", 100.0)], str(tmp_path))
+    assert all((tmp_path / p.split("/")[-1]).stat().st_size > 0 for p in paths)
+
+
+# --- harness helpers (pure parts) ------------------------------------------------
+
+def _cfg(**kw):
+    return harness.BenchConfig(heads="/h", **kw)
+
+
+def test_speculative_configs():
+    cfg = _cfg(tokenswift={"kv_budget": 1024})
+    assert harness.speculative_config("ar", cfg) is None
+    ts = harness.speculative_config("tokenswift", cfg)
+    assert ts == {"method": "tokenswift", "model": "/h", "num_speculative_tokens": 4,
+                  "tokenswift": {"kv_budget": 1024}}
+    assert harness.speculative_config("tokenswift-k0", cfg)["tokenswift"] == {
+        "kv_budget": 1024, "ngram_topk": 0}
+    assert harness.speculative_config("tokenswift-noheads", cfg)["tokenswift"]["use_heads"] is False
+    assert harness.speculative_config("tokenswift-fullkv", cfg)["tokenswift"]["draft_kv"] == "full"
+    assert harness.speculative_config("tokenswift-static", cfg)["tokenswift"]["draft_kv"] == "static"
+    assert harness.speculative_config("ngram", cfg) == {
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+        "prompt_lookup_max": 4}
+    assert harness.speculative_config("suffix", cfg)["method"] == "suffix"
+    cfg2 = _cfg(method_configs={"ngram": {"method": "ngram", "num_speculative_tokens": 2},
+                                "plain": None})
+    assert harness.speculative_config("ngram", cfg2)["num_speculative_tokens"] == 2
+    assert harness.speculative_config("plain", cfg2) is None
+    with pytest.raises(ValueError):
+        harness.speculative_config("bogus", cfg)
+
+
+def test_sampling_kwargs_min_p_handling():
+    ng = {"method": "ngram", "num_speculative_tokens": 4}
+    ts = {"method": "tokenswift", "num_speculative_tokens": 4}
+    kw, note = harness.sampling_kwargs("ar", "paper", None)
+    assert kw["min_p"] == 0.1 and kw["repetition_penalty"] == 1.2 and note is None
+    assert kw["extra_args"] == {"repetition_penalty_window": 1024}
+    kw, note = harness.sampling_kwargs("ngram", "paper", ng)
+    assert "min_p" not in kw and "min_p" in note and kw["repetition_penalty"] == 1.2
+    kw, note = harness.sampling_kwargs("tokenswift", "paper", ts)
+    assert kw["min_p"] == 0.1 and note is None
+    kw, note = harness.sampling_kwargs("tokenswift-nopenalty", "paper", ts)
+    assert "repetition_penalty" not in kw and "extra_args" not in kw and "penalty" in note
+    kw, note = harness.sampling_kwargs("ngram", "greedy", ng)
+    assert kw == {"temperature": 0.0} and note is None
+    # presets are not mutated
+    assert harness.SAMPLING_PRESETS["paper"]["min_p"] == 0.1
+    assert "repetition_penalty_window" in harness.SAMPLING_PRESETS["paper"]["extra_args"]
+
+
+def test_prompts_and_prefix_cap():
+    streams = [list(range(10)), list(range(100, 105))]
+    p = harness.build_prompts(streams, batch_size=3, prefix_len=4)
+    assert p == [[0, 1, 2, 3], [100, 101, 102, 103], [2, 3, 4, 5]]
+    # short stream wraps around
+    assert harness.build_prompts([[1, 2, 3]], 1, 7) == [[1, 2, 3, 1, 2, 3, 1]]
+    assert harness.effective_prefix_len(2048, [256, 512], 4096) == 2048
+    assert harness.effective_prefix_len(2048, [4000], 5096) == 5096 - 4000 - 64
+    assert harness.effective_prefix_len(2048, [4000], None) == 2048
+    with pytest.raises(ValueError):
+        harness.effective_prefix_len(2048, [4090], 4096)
+
+
+def test_json_token_prompt_files(tmp_path):
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps([[5, 6, 7], [8]]))
+    cfg = _cfg(prompt_files=[str(f)])
+    assert harness.load_prompt_tokens(cfg) == [[5, 6, 7, 8]]
+
+
+def test_identical_to_ar():
+    recs = [{"method": m, "gen_len": 4, "batch_size": 2, "sampling": s, "repeat": 0, "status": "ok"}
+            for m, s in (("ar", "greedy"), ("ngram", "greedy"), ("ts", "greedy"), ("ngram", "paper"))]
+    outs = {("ar", 4, 2, "greedy", 0): [[1, 2, 3, 4], [5, 6, 7, 8]],
+            ("ngram", 4, 2, "greedy", 0): [[1, 2, 3, 4], [5, 6, 7, 8]],
+            ("ts", 4, 2, "greedy", 0): [[1, 2, 9, 4], [5, 6, 7, 8]],
+            ("ngram", 4, 2, "paper", 0): [[1, 2, 3, 4], [5, 6, 7, 8]]}
+    harness.fill_identical_to_ar(recs, outs)
+    assert [r["identical_to_ar"] for r in recs] == [True, True, False, None]
+    assert recs[2]["ar_common_prefix_tokens"] == 2
+
+
+def test_unavailable_reasons(monkeypatch):
+    assert harness.method_unavailable("ar", None) is None
+    ts = {"method": "tokenswift", "model": "/definitely/missing", "tokenswift": {}}
+    assert "not found" in harness.method_unavailable("tokenswift", ts)
+    ts_noheads = {"method": "tokenswift", "model": "/definitely/missing",
+                  "tokenswift": {"use_heads": False}}
+    assert harness.method_unavailable("tokenswift-noheads", ts_noheads) is None
+    monkeypatch.setattr(harness.importlib.util, "find_spec", lambda name: None)
+    assert "arctic-inference" in harness.method_unavailable("suffix", {"method": "suffix"})
+
+
+def test_bench_cli_parser():
+    from vllm_tokenswift.bench import cli
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    cli.add_parser(sub)
+    args = parser.parse_args(["bench", "--methods", "ar,ngram", "--gen-lens", "256,512",
+                              "--batch-sizes", "1,2", "--sampling", "greedy", "--repeats", "3",
+                              "--out", "/tmp/x", "--method-config",
+                              'ngram-x={"method": "ngram", "num_speculative_tokens": 8}',
+                              "--engine-arg", "block_size=32"])
+    cfg = cli.config_from_args(args)
+    assert cfg.methods == ["ar", "ngram"] and cfg.gen_lens == [256, 512]
+    assert cfg.batch_sizes == [1, 2] and cfg.samplings == ["greedy"] and cfg.repeats == 3
+    assert cfg.method_configs["ngram-x"]["num_speculative_tokens"] == 8
+    assert cfg.engine_kwargs == {"block_size": 32}
+    assert callable(args.func)
+    bad = parser.parse_args(["bench", "--sampling", "nucleus"])
+    assert bad.func(bad) == 2

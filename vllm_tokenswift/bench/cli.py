@@ -1,0 +1,181 @@
+"""``vllm-tokenswift bench``: offline vLLM benchmark of AR / TokenSwift / n-gram / suffix.
+
+Example::
+
+    vllm-tokenswift bench --methods ar,tokenswift,ngram,suffix --gen-lens 2048,4096 \\
+        --batch-sizes 1 --sampling greedy,paper --repeats 1 --out runs/bench
+
+writes ``results.json``, ``results.csv``, ``summary.md`` and PNG plots to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+
+def _csv(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        vals = [int(x) for x in _csv(s)]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from e
+    if not vals or any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
+    return vals
+
+
+def _method_config(s: str) -> tuple[str, Any]:
+    name, sep, js = s.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError("--method-config expects NAME=JSON")
+    try:
+        return name.strip(), json.loads(js)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--method-config {name}: bad JSON: {e}") from e
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register the ``bench`` sub-command on an argparse ``subparsers`` object."""
+    from vllm_tokenswift.bench import harness as h
+
+    p = subparsers.add_parser(
+        "bench", help="benchmark AR / TokenSwift / n-gram / suffix decoding with vLLM offline",
+        description=__doc__.split("\n\n")[0])
+    p.add_argument("--methods", type=_csv, default=["ar", "tokenswift", "ngram", "suffix"],
+                   help="comma-separated; known: " + ", ".join(h.KNOWN_METHODS)
+                        + " (default ar,tokenswift,ngram,suffix)")
+    p.add_argument("--gen-lens", type=_ints, default=[2048, 4096],
+                   help="generated tokens per sequence, comma-separated (default 2048,4096)")
+    p.add_argument("--batch-sizes", type=_ints, default=[1], help="comma-separated (default 1)")
+    p.add_argument("--sampling", type=_csv, default=["greedy", "paper"],
+                   help="greedy,paper (default both); paper = T 1.0, min_p 0.1, repetition "
+                        "penalty 1.2 over a 1024-token window")
+    p.add_argument("--repeats", type=int, default=1, help="timed runs per setting (default 1)")
+    p.add_argument("--out", default=os.path.join("runs", "bench-" + time.strftime("%Y%m%d-%H%M%S")),
+                   help="output folder (default runs/bench-TIMESTAMP)")
+    p.add_argument("--model", default=h.DEFAULT_MODEL, help="target model folder (default: demo model)")
+    p.add_argument("--heads", default=h.DEFAULT_HEADS, help="TokenSwift heads folder (default: demo heads)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+    p.add_argument("--prompt-files", nargs="+", default=None,
+                   help=".txt prompts (tokenized) or .json token-id lists; default: bundled prompts")
+    p.add_argument("--random-prompts", action="store_true",
+                   help="seeded random token ids instead of prompt files (smoke tests)")
+    p.add_argument("--prefix-len", type=int, default=2048,
+                   help="prompt tokens per sequence, capped to fit the model window (default 2048)")
+    p.add_argument("--k", type=int, default=4, help="TokenSwift num_speculative_tokens (default 4)")
+    p.add_argument("--tokenswift", type=json.loads, default={},
+                   help='JSON merged into every variant\'s "tokenswift" settings, e.g. \'{"kv_budget": 1024}\'')
+    p.add_argument("--method-config", type=_method_config, action="append", default=[],
+                   metavar="NAME=JSON",
+                   help="define or override a method's speculative_config ('null' = AR), repeatable")
+    p.add_argument("--engine-scope", choices=["method", "setting"], default="method",
+                   help="one engine per method (default) or per (method, gen_len, batch, sampling)")
+    p.add_argument("--no-enforce-eager", dest="enforce_eager", action="store_false",
+                   help="let vLLM compile the model (slower start)")
+    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size in GiB (default 1)")
+    p.add_argument("--dtype", default="float32", help="model dtype (default float32 on CPU)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup-tokens", type=int, default=32,
+                   help="tokens of each untimed warm-up generate (default 32)")
+    p.add_argument("--save-tokens", action="store_true", help="write output token ids per run")
+    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
+                   help="extra vllm.LLM keyword argument, repeatable (e.g. block_size=32)")
+    p.add_argument("--cpu-threads-bind", default=None,
+                   help="sets VLLM_CPU_OMP_THREADS_BIND (e.g. 0 or 0-1) before vLLM starts")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=run_cli)
+    return p
+
+
+def config_from_args(args: argparse.Namespace):
+    """Build a :class:`~vllm_tokenswift.bench.harness.BenchConfig` from parsed args."""
+    from vllm_tokenswift.bench.harness import BenchConfig, SAMPLING_PRESETS
+
+    for s in args.sampling:
+        if s not in SAMPLING_PRESETS:
+            raise ValueError(f"unknown sampling {s!r}; one of {sorted(SAMPLING_PRESETS)}")
+    if args.repeats < 1:
+        raise ValueError("--repeats must be >= 1")
+    engine_kwargs = {}
+    for kv in args.engine_arg:
+        key, sep, val = kv.partition("=")
+        if not sep:
+            raise ValueError(f"--engine-arg expects KEY=JSON, got {kv!r}")
+        try:
+            engine_kwargs[key] = json.loads(val)
+        except ValueError:
+            engine_kwargs[key] = val
+    return BenchConfig(
+        methods=list(args.methods), gen_lens=list(args.gen_lens),
+        batch_sizes=list(args.batch_sizes), samplings=list(args.sampling),
+        repeats=args.repeats, out_dir=args.out, model=args.model, heads=args.heads,
+        tokenizer=args.tokenizer, prompt_files=args.prompt_files,
+        random_prompts=args.random_prompts, prefix_len=args.prefix_len, k=args.k,
+        tokenswift=dict(args.tokenswift or {}), method_configs=dict(args.method_config),
+        engine_scope=args.engine_scope, enforce_eager=args.enforce_eager,
+        kv_cache_gb=args.kv_cache_gb, dtype=args.dtype, seed=args.seed,
+        warmup_tokens=args.warmup_tokens, save_tokens=args.save_tokens,
+        engine_kwargs=engine_kwargs)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Entry point of ``vllm-tokenswift bench``; returns 0 when every run succeeded or was
+    reported unavailable, 1 when a run failed with an error, 2 on bad arguments."""
+    from dataclasses import asdict
+
+    from vllm_tokenswift.bench import harness, report
+
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.cpu_threads_bind:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.cpu_threads_bind
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    meta = {k: v for k, v in asdict(cfg).items() if k not in ("engine_kwargs",)}
+    meta["engine_kwargs"] = cfg.engine_kwargs
+    with open(os.path.join(cfg.out_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=2, default=str)
+
+    def save(records):
+        report.write_json(records, os.path.join(cfg.out_dir, "results.json"))
+
+    try:
+        records = harness.run_bench(cfg, progress=not args.quiet, on_records=save)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    md_meta = {"model": cfg.model, "heads": cfg.heads, "prefix_len": records[0]["prefix_len"]
+               if records else cfg.prefix_len, "methods": ", ".join(cfg.methods),
+               "gen_lens": cfg.gen_lens, "batch_sizes": cfg.batch_sizes,
+               "sampling": ", ".join(cfg.samplings), "repeats": cfg.repeats,
+               "engine_scope": cfg.engine_scope, "dtype": cfg.dtype}
+    paths = report.write_report(records, cfg.out_dir, meta=md_meta, plots=not args.no_plots)
+    rows = report.summarize(records)
+    print(report.markdown_table(rows))
+    print(f"\nwrote {paths['json']}, {paths['csv']}, {paths['markdown']}"
+          + (f" and {len(paths['plots'])} plots" if paths["plots"] else ""))
+    return 1 if any(r.get("status") == "error" for r in records) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry: ``python -m vllm_tokenswift.bench.cli [args]``."""
+    parser = argparse.ArgumentParser(prog="vllm-tokenswift")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parser(sub)
+    args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,622 @@
+"""Offline vLLM benchmark of AR, TokenSwift (and ablations), n-gram and suffix decoding.
+
+One ``vllm.LLM`` engine is built per method (``engine_scope="method"``, default:
+the engine serves every gen_len / batch size / sampling of that method, with
+``max_model_len`` sized for the longest run) or per (method, setting)
+(``engine_scope="setting"``), warmed up with a short generate, timed over
+``repeats`` runs, then torn down before the next one.
+
+Per timed run the harness records wall time, generated tokens, vLLM's
+speculative-decoding Prometheus counters (deltas of ``llm.get_metrics()`` taken
+before and after the run: the counters are cumulative), the TokenSwift plugin's
+own counters when available (:func:`vllm_tokenswift.metrics.get_engine_stats`),
+Distinct-n of the outputs and, for greedy runs, whether the token ids equal the
+AR run's. :mod:`vllm_tokenswift.bench.report` turns the records into files.
+
+vLLM is imported lazily, inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import glob
+import importlib.util
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from vllm_tokenswift.bench import report
+
+logger = logging.getLogger("vllm_tokenswift.bench")
+
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_MODEL = os.path.join(_PKG_DIR, "assets", "demo-model")
+DEFAULT_HEADS = os.path.join(_PKG_DIR, "assets", "demo-heads")
+DEFAULT_PROMPT_GLOB = os.path.join(_PKG_DIR, "assets", "prompts", "*.txt")
+
+#: Sampling presets. ``paper``: the TokenSwift paper's min-p setting (Sec 4.1,
+#: Appendix D) with the contextual (windowed) repetition penalty, Eq. 3.
+SAMPLING_PRESETS: dict[str, dict[str, Any]] = {
+    "greedy": {"temperature": 0.0},
+    "paper": {"temperature": 1.0, "min_p": 0.1, "repetition_penalty": 1.2,
+              "extra_args": {"repetition_penalty_window": 1024}},
+}
+
+#: TokenSwift ablations: method name -> overrides of the ``"tokenswift"`` settings.
+TOKENSWIFT_VARIANTS: dict[str, dict[str, Any]] = {
+    "tokenswift": {},
+    "tokenswift-k0": {"ngram_topk": 0},
+    "tokenswift-noheads": {"use_heads": False},
+    "tokenswift-fullkv": {"draft_kv": "full"},
+    "tokenswift-static": {"draft_kv": "static"},
+    "tokenswift-nopenalty": {},  # same engine; the requests carry no repetition penalty
+}
+
+#: vLLM n-gram (prompt lookup) settings. ``ngram``: vLLM's documented example;
+#: ``ngram-best``: the best of the settings tried on the 2-core CPU box (see
+#: NGRAM_SWEEP_NOTES).
+NGRAM_CONFIGS: dict[str, dict[str, Any]] = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4,
+              "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+    "ngram-best": {"method": "ngram", "num_speculative_tokens": 8,
+                   "prompt_lookup_min": 1, "prompt_lookup_max": 5},
+}
+
+NGRAM_SWEEP_NOTES = (
+    "ngram-best chosen from a sweep on the tiny random Llama (CPU, greedy, b=1, 256 tokens); "
+    "see the bench report of the harness author for the figures."
+)
+
+#: Suffix decoding (arctic-inference). ``num_speculative_tokens`` is its cap per step.
+#: ``suffix_decoding_max_cached_requests=0`` disables the global tree of *previous*
+#: responses: with it, a repeat (or the warm-up) of the same prompt under greedy
+#: decoding is speculated from the earlier identical output, which inflated the
+#: smoke run's suffix speedup from ~1x to 1.7x. The per-request tree over the prompt
+#: and the response generated so far (what matters for long generation) stays on.
+SUFFIX_CONFIG: dict[str, Any] = {"method": "suffix", "num_speculative_tokens": 8,
+                                 "suffix_decoding_max_cached_requests": 0}
+
+KNOWN_METHODS = ("ar", *TOKENSWIFT_VARIANTS, *NGRAM_CONFIGS, "suffix")
+
+
+@dataclass
+class BenchConfig:
+    """Settings of one ``vllm-tokenswift bench`` invocation.
+
+    Attributes:
+        methods: method names (see :data:`KNOWN_METHODS`, or names given in
+            ``method_configs``).
+        gen_lens: generated tokens per sequence (``max_tokens``, ``ignore_eos``).
+        batch_sizes: prompts per ``generate`` call.
+        samplings: sampling preset names (:data:`SAMPLING_PRESETS`).
+        repeats: timed runs per setting.
+        out_dir: output folder.
+        model: target model folder.
+        heads: TokenSwift heads folder.
+        tokenizer: tokenizer folder (default: the model's).
+        prompt_files: ``.txt`` files (tokenized) or ``.json`` token-id lists.
+        random_prompts: use seeded random token ids instead of prompt files.
+        prefix_len: prompt tokens per sequence (capped to fit the model's window).
+        k: ``num_speculative_tokens`` of TokenSwift.
+        tokenswift: extra ``"tokenswift"`` settings merged into every variant.
+        method_configs: method name -> speculative config dict (``None`` = AR);
+            overrides or adds methods.
+        engine_scope: ``"method"`` or ``"setting"`` (see module doc).
+        enforce_eager: pass ``enforce_eager`` to vLLM (no torch.compile; fast start).
+        kv_cache_gb: KV cache size (GiB) via ``kv_cache_memory_bytes``.
+        dtype: model dtype for vLLM.
+        seed: engine seed.
+        warmup_tokens: tokens generated by each untimed warm-up (per engine and per
+            setting, with the setting's sampling parameters).
+        save_tokens: also write each run's output token ids under ``out_dir/tokens``.
+        engine_kwargs: extra ``vllm.LLM`` keyword arguments.
+    """
+
+    methods: list[str] = field(default_factory=lambda: ["ar", "tokenswift", "ngram", "suffix"])
+    gen_lens: list[int] = field(default_factory=lambda: [2048, 4096])
+    batch_sizes: list[int] = field(default_factory=lambda: [1])
+    samplings: list[str] = field(default_factory=lambda: ["greedy", "paper"])
+    repeats: int = 1
+    out_dir: str = "bench-out"
+    model: str = DEFAULT_MODEL
+    heads: str = DEFAULT_HEADS
+    tokenizer: str | None = None
+    prompt_files: list[str] | None = None
+    random_prompts: bool = False
+    prefix_len: int = 2048
+    k: int = 4
+    tokenswift: dict[str, Any] = field(default_factory=dict)
+    method_configs: dict[str, Any] = field(default_factory=dict)
+    engine_scope: str = "method"
+    enforce_eager: bool = True
+    kv_cache_gb: float = 1.0
+    dtype: str = "float32"
+    seed: int = 0
+    warmup_tokens: int = 32
+    save_tokens: bool = False
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------
+# Method and sampling definitions
+# ---------------------------------------------------------------------------
+
+def speculative_config(method: str, cfg: BenchConfig) -> dict[str, Any] | None:
+    """The ``speculative_config`` dict of ``method`` (``None`` for AR).
+
+    Raises:
+        ValueError: unknown method.
+    """
+    if method in cfg.method_configs:
+        mc = cfg.method_configs[method]
+        return copy.deepcopy(mc) if mc else None
+    if method == "ar":
+        return None
+    if method in TOKENSWIFT_VARIANTS:
+        ts = {**cfg.tokenswift, **TOKENSWIFT_VARIANTS[method]}
+        return {"method": "tokenswift", "model": cfg.heads, "num_speculative_tokens": cfg.k,
+                "tokenswift": ts}
+    if method in NGRAM_CONFIGS:
+        return copy.deepcopy(NGRAM_CONFIGS[method])
+    if method == "suffix":
+        return copy.deepcopy(SUFFIX_CONFIG)
+    raise ValueError(f"unknown method {method!r}; known: {', '.join(KNOWN_METHODS)} "
+                     "(or define it with --method-config NAME=JSON)")
+
+
+def sampling_kwargs(method: str, sampling: str, spec: dict[str, Any] | None
+                    ) -> tuple[dict[str, Any], str | None]:
+    """SamplingParams keyword arguments for ``method`` under preset ``sampling``.
+
+    Stock vLLM 0.32 rejects ``min_p`` on any speculative engine
+    (``SamplingParams._validate_spec_decode`` raises ``VLLMValidationError``). The
+    TokenSwift plugin lifts that for ``tokenswift`` engines; for other speculative
+    methods ``min_p`` is dropped and the returned note says so.
+    ``tokenswift-nopenalty`` drops the repetition penalty (ablation of Sec 3.4).
+
+    Returns:
+        ``(kwargs, note)`` with ``note`` ``None`` when nothing was changed.
+    """
+    if sampling not in SAMPLING_PRESETS:
+        raise ValueError(f"unknown sampling {sampling!r}; one of {sorted(SAMPLING_PRESETS)}")
+    kw = copy.deepcopy(SAMPLING_PRESETS[sampling])
+    notes = []
+    if method == "tokenswift-nopenalty" and "repetition_penalty" in kw:
+        kw.pop("repetition_penalty")
+        (kw.get("extra_args") or {}).pop("repetition_penalty_window", None)
+        if not kw.get("extra_args"):
+            kw.pop("extra_args", None)
+        notes.append("repetition penalty off (ablation)")
+    is_ts = bool(spec) and spec.get("method") == "tokenswift"
+    if spec and not is_ts and kw.get("min_p", 0.0) > 0:
+        notes.append(f"min_p={kw.pop('min_p')} dropped: vLLM 0.32 refuses min_p with "
+                     f"speculative decoding ({spec.get('method')}); AR keeps it")
+    return kw, ("; ".join(notes) or None)
+
+
+def method_unavailable(method: str, spec: dict[str, Any] | None) -> str | None:
+    """A reason why ``method`` cannot run in this environment, or ``None``."""
+    if spec and spec.get("method") == "suffix":
+        if importlib.util.find_spec("arctic_inference") is None:
+            return ("suffix decoding needs the arctic-inference package "
+                    "(pip install arctic-inference; vLLM 0.32 checks has_arctic_inference())")
+    if spec and spec.get("method") == "tokenswift":
+        heads = spec.get("model")
+        use_heads = (spec.get("tokenswift") or {}).get("use_heads", True)
+        if use_heads and heads and not os.path.exists(heads):
+            return f"TokenSwift heads folder not found: {heads}"
+    return None
+
+
+# ---------------------------------------------------------------------------
+# Prompts
+# ---------------------------------------------------------------------------
+
+def model_max_len(model_dir: str) -> int | None:
+    """``max_position_embeddings`` from the model's config.json, if readable."""
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    cfg = {**cfg, **(cfg.get("text_config") or {})}
+    v = cfg.get("max_position_embeddings")
+    return int(v) if v else None
+
+
+def effective_prefix_len(prefix_len: int, gen_lens: Sequence[int], max_len: int | None,
+                         margin: int = 64) -> int:
+    """Prefix length capped so that ``prefix + max(gen_lens) + margin`` fits ``max_len``.
+
+    Raises:
+        ValueError: when not even a 16-token prefix fits.
+    """
+    if max_len is None:
+        return prefix_len
+    cap = max_len - max(gen_lens) - margin
+    if cap < 16:
+        raise ValueError(f"gen_len {max(gen_lens)} + {margin} leaves no room for a prompt "
+                         f"in the model's {max_len}-token window")
+    return min(prefix_len, cap)
+
+
+def _read_token_file(path: str) -> list[int]:
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    if isinstance(data, dict):
+        data = data.get("prompt_token_ids") or data.get("token_ids") or data.get("ids")
+    if data and isinstance(data[0], list):
+        data = [t for seq in data for t in seq]
+    return [int(t) for t in data]
+
+
+def load_prompt_tokens(cfg: BenchConfig, tokenizer_loader: Callable[[str], Any] | None = None
+                       ) -> list[list[int]]:
+    """Token ids of every prompt source (one list per file, or one random stream).
+
+    ``.json`` files hold token ids; other files are text tokenized with the
+    model's tokenizer (``transformers.AutoTokenizer``), BOS prepended if defined.
+    """
+    if cfg.random_prompts:
+        import numpy as np
+        vocab = 256
+        try:
+            with open(os.path.join(cfg.model, "config.json"), encoding="utf-8") as f:
+                vocab = int(json.load(f).get("vocab_size", vocab))
+        except (OSError, ValueError):
+            pass
+        rng = np.random.RandomState(cfg.seed)
+        n = cfg.prefix_len * (max(cfg.batch_sizes) + 1)
+        return [rng.randint(3, max(4, vocab), size=n).tolist()]
+    files = list(cfg.prompt_files or sorted(glob.glob(DEFAULT_PROMPT_GLOB)))
+    if not files:
+        raise FileNotFoundError(
+            f"no prompt files: none given and none at {DEFAULT_PROMPT_GLOB}; "
+            "pass --prompt-files or --random-prompts")
+    tok = None
+    streams = []
+    for path in files:
+        if path.endswith(".json"):
+            streams.append(_read_token_file(path))
+            continue
+        if tok is None:
+            if tokenizer_loader is None:
+                from transformers import AutoTokenizer
+                tokenizer_loader = AutoTokenizer.from_pretrained
+            tok = tokenizer_loader(cfg.tokenizer or cfg.model)
+        with open(path, encoding="utf-8") as f:
+            ids = tok.encode(f.read(), add_special_tokens=False)
+        bos = getattr(tok, "bos_token_id", None)
+        streams.append(([bos] if bos is not None else []) + list(ids))
+    if any(len(s) == 0 for s in streams):
+        raise ValueError("a prompt file produced no tokens")
+    return streams
+
+
+def build_prompts(streams: Sequence[Sequence[int]], batch_size: int, prefix_len: int
+                  ) -> list[list[int]]:
+    """``batch_size`` prompts of ``prefix_len`` tokens, cycling through the streams.
+
+    Prompt ``i`` uses stream ``i % len(streams)`` starting at offset
+    ``(i // len(streams)) * prefix_len // 2`` (different prefixes from the same
+    file), wrapping around a stream that is too short.
+    """
+    out = []
+    for i in range(batch_size):
+        s = list(streams[i % len(streams)])
+        off = ((i // len(streams)) * max(1, prefix_len // 2)) % len(s)
+        ids = []
+        while len(ids) < prefix_len:
+            take = s[off:off + prefix_len - len(ids)]
+            ids.extend(take)
+            off = 0
+        out.append(ids[:prefix_len])
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Engine handling
+# ---------------------------------------------------------------------------
+
+def build_engine(cfg: BenchConfig, spec: dict[str, Any] | None, max_model_len: int):
+    """Create a ``vllm.LLM`` for the benchmark (CPU-friendly defaults)."""
+    from vllm import LLM
+    kw: dict[str, Any] = dict(
+        model=cfg.model, tokenizer=cfg.tokenizer or cfg.model, dtype=cfg.dtype,
+        max_model_len=max_model_len, enable_prefix_caching=False, seed=cfg.seed,
+        disable_log_stats=False, enforce_eager=cfg.enforce_eager,
+        max_num_seqs=max(max(cfg.batch_sizes), 1),
+    )
+    if cfg.kv_cache_gb:
+        kw["kv_cache_memory_bytes"] = int(cfg.kv_cache_gb * (1 << 30))
+    if spec:
+        kw["speculative_config"] = spec
+    kw.update(cfg.engine_kwargs)
+    return LLM(**kw)
+
+
+def teardown_engine(llm: Any) -> None:
+    """Shut an engine down and free its memory before the next one starts."""
+    if llm is None:
+        return
+    try:
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+    except Exception:  # best effort
+        logger.debug("engine_core.shutdown failed", exc_info=True)
+    del llm
+    gc.collect()
+    try:
+        from vllm.distributed import cleanup_dist_env_and_memory
+        cleanup_dist_env_and_memory()
+    except Exception:
+        logger.debug("cleanup_dist_env_and_memory unavailable/failed", exc_info=True)
+    gc.collect()
+
+
+def _spec_counters(llm: Any) -> dict[str, Any]:
+    try:
+        return report.spec_counters_from_metrics(llm.get_metrics())
+    except Exception:
+        logger.debug("get_metrics failed", exc_info=True)
+        return report.spec_counters_from_metrics([])
+
+
+def _plugin_fn(name: str) -> Callable | None:
+    try:
+        import vllm_tokenswift.metrics as m
+        return getattr(m, name)
+    except (ImportError, AttributeError):
+        return None
+
+
+def plugin_stats_before(llm: Any) -> tuple[bool, dict | None]:
+    """Reset the plugin's counters if possible, else snapshot them.
+
+    Returns ``(was_reset, snapshot_or_None)``.
+    """
+    reset = _plugin_fn("reset_engine_stats")
+    if reset is not None:
+        try:
+            if reset(llm):
+                return True, None
+        except Exception:
+            logger.debug("reset_engine_stats failed", exc_info=True)
+    get = _plugin_fn("get_engine_stats")
+    if get is None:
+        return False, None
+    try:
+        return False, get(llm)
+    except Exception:
+        return False, None
+
+
+def plugin_stats_after(llm: Any, was_reset: bool, before: dict | None, k: int
+                       ) -> dict[str, Any]:
+    """TokenSwift figures of the run just finished (all ``None`` without the plugin).
+
+    Keys: ``ngram_acceptance`` (β), ``draft_time_share``, ``time_draft_s``,
+    ``time_verify_s`` (engine-step time outside the proposer: verification forward,
+    sampling and bookkeeping), ``plugin_stats`` (raw dict).
+    """
+    res: dict[str, Any] = {"ngram_acceptance": None, "draft_time_share": None,
+                           "time_draft_s": None, "time_verify_s": None, "plugin_stats": None}
+    get = _plugin_fn("get_engine_stats")
+    if get is None:
+        return res
+    try:
+        st = get(llm)
+    except Exception:
+        logger.debug("get_engine_stats failed", exc_info=True)
+        return res
+    if not isinstance(st, dict):
+        return res
+    if not was_reset and isinstance(before, dict):
+        st = {**st, **report.counter_delta(before, st)}
+        chains = st.get("verified_drafts") or 0
+        nst = st.get("num_speculative_tokens") or k
+        st["ngram_acceptance"] = (st.get("accepted_ngram", 0) / (nst * chains)) if chains else None
+        tot = st.get("time_total_s") or 0
+        st["draft_time_share"] = (st.get("time_draft_s", 0) / tot) if tot else None
+    res["plugin_stats"] = st
+    res["ngram_acceptance"] = st.get("ngram_acceptance")
+    res["draft_time_share"] = st.get("draft_time_share")
+    res["time_draft_s"] = st.get("time_draft_s")
+    if st.get("time_verify_s") is not None:
+        res["time_verify_s"] = st["time_verify_s"]
+    elif st.get("time_total_s") is not None and st.get("time_draft_s") is not None:
+        res["time_verify_s"] = max(0.0, st["time_total_s"] - st["time_draft_s"])
+    return res
+
+
+# ---------------------------------------------------------------------------
+# Runs
+# ---------------------------------------------------------------------------
+
+def timed_run(llm: Any, prompts: list[list[int]], sp_kwargs: dict[str, Any], gen_len: int,
+              k: int | None) -> tuple[dict[str, Any], list[list[int]]]:
+    """One timed ``generate`` of ``prompts``; returns ``(record fields, output ids)``."""
+    from vllm import SamplingParams
+    sp = SamplingParams(max_tokens=gen_len, ignore_eos=True, **sp_kwargs)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    before = _spec_counters(llm)
+    was_reset, pbefore = plugin_stats_before(llm)
+    t0 = time.perf_counter()
+    outs = llm.generate(inputs, sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    after = _spec_counters(llm)
+    ids = [list(o.outputs[0].token_ids) for o in outs]
+    ntok = sum(len(x) for x in ids)
+    rec: dict[str, Any] = {"num_tokens": ntok, "wall_s": wall}
+    rec.update(report.throughput(ntok, wall, len(prompts)))
+    ttft = [getattr(getattr(o, "metrics", None), "first_token_latency", None) for o in outs]
+    ttft = [t for t in ttft if isinstance(t, (int, float)) and t > 0]
+    if ttft and wall > max(ttft) and ntok > len(prompts):
+        rec["ttft_s"] = max(ttft)
+        rec["decode_tokens_per_s"] = (ntok - len(prompts)) / (wall - max(ttft))
+    delta = report.counter_delta(before, after)
+    acc = report.acceptance_from_counters(delta, k)
+    rec.update({kk: acc[kk] for kk in ("acceptance_rate", "mean_accepted_length", "num_drafts",
+                                        "num_draft_tokens", "num_accepted_tokens",
+                                        "draft_token_acceptance", "acceptance_per_pos")})
+    rec.update(plugin_stats_after(llm, was_reset, pbefore, k or 0))
+    rec.update(report.distinct_scores(ids))
+    return rec, ids
+
+
+def warmup(llm: Any, prompt: list[int], tokens: int = 32,
+           sp_kwargs: dict[str, Any] | None = None) -> None:
+    """Untimed generate of ``tokens`` tokens (first-call allocations, caches);
+    greedy unless ``sp_kwargs`` are given."""
+    if tokens <= 0:
+        return
+    from vllm import SamplingParams
+    kw = dict(sp_kwargs) if sp_kwargs else {"temperature": 0.0}
+    llm.generate([{"prompt_token_ids": prompt}],
+                 SamplingParams(max_tokens=tokens, ignore_eos=True, **kw), use_tqdm=False)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def fill_identical_to_ar(records: list[dict], outputs: dict[tuple, list[list[int]]]) -> None:
+    """Set ``identical_to_ar`` (greedy only) and ``ar_common_prefix_tokens`` in place.
+
+    ``outputs`` maps ``(method, gen_len, batch_size, sampling, repeat)`` to output ids;
+    the reference is the first AR repeat of the same gen_len / batch size.
+    """
+    for r in records:
+        r.setdefault("identical_to_ar", None)
+        if r.get("sampling") != "greedy" or r.get("status") != "ok":
+            continue
+        key = (r["method"], r["gen_len"], r["batch_size"], r["sampling"], r["repeat"])
+        ref = next((outputs[kk] for kk in sorted(outputs, key=lambda t: t[4])
+                    if kk[0] == "ar" and kk[1:4] == key[1:4]), None)
+        mine = outputs.get(key)
+        if ref is None or mine is None:
+            continue
+        r["identical_to_ar"] = all(a == b for a, b in zip(mine, ref)) and len(mine) == len(ref)
+        r["ar_common_prefix_tokens"] = min(_common_prefix(a, b) for a, b in zip(mine, ref))
+
+
+def _settings(cfg: BenchConfig) -> list[tuple[int, int, str]]:
+    return [(g, b, s) for g in cfg.gen_lens for b in cfg.batch_sizes for s in cfg.samplings]
+
+
+def _base_record(method: str, g: int, b: int, s: str, rep: int, prefix: int, cfg: BenchConfig,
+                 spec: dict | None) -> dict[str, Any]:
+    rec = {"method": method, "gen_len": g, "batch_size": b, "sampling": s, "repeat": rep,
+           "status": "ok", "prefix_len": prefix, "model": cfg.model,
+           "num_speculative_tokens": (spec or {}).get("num_speculative_tokens"),
+           "speculative_config": spec, "note": None}
+    for f in report.RECORD_FIELDS:
+        rec.setdefault(f, None)
+    rec["status"] = "ok"
+    return rec
+
+
+def run_bench(cfg: BenchConfig, progress: bool = True,
+              on_records: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """Run every method and setting of ``cfg``; return the records.
+
+    Args:
+        cfg: the benchmark settings.
+        progress: show tqdm bars (runs and engines).
+        on_records: called with all records so far after each engine (for
+            incremental saving).
+    """
+    from tqdm import tqdm
+
+    max_len = model_max_len(cfg.model)
+    prefix = effective_prefix_len(cfg.prefix_len, cfg.gen_lens, max_len)
+    streams = load_prompt_tokens(cfg)
+    prompts_by_b = {b: build_prompts(streams, b, prefix) for b in cfg.batch_sizes}
+    settings = _settings(cfg)
+    records: list[dict] = []
+    outputs: dict[tuple, list[list[int]]] = {}
+    total_runs = len(cfg.methods) * len(settings) * cfg.repeats
+    bar = tqdm(total=total_runs, desc="bench runs", disable=not progress)
+    tok_dir = os.path.join(cfg.out_dir, "tokens")
+
+    for method in cfg.methods:
+        try:
+            spec = speculative_config(method, cfg)
+        except ValueError as e:
+            spec, why = None, str(e)
+        else:
+            why = method_unavailable(method, spec)
+        if why:
+            for g, b, s in settings:
+                rec = _base_record(method, g, b, s, 0, prefix, cfg, spec)
+                rec.update(status="unavailable", note=f"unavailable: {why}")
+                records.append(rec)
+            bar.update(len(settings) * cfg.repeats)
+            logger.warning("%s unavailable: %s", method, why)
+            continue
+        k = (spec or {}).get("num_speculative_tokens")
+        groups = ([settings] if cfg.engine_scope == "method" else [[st] for st in settings])
+        for group in groups:
+            mml = prefix + max(g for g, _, _ in group) + 64
+            llm = None
+            try:
+                bar.set_postfix_str(f"{method}: starting engine")
+                llm = build_engine(cfg, spec, mml)
+                warmup(llm, prompts_by_b[group[0][1]][0], cfg.warmup_tokens)
+            except Exception as e:  # engine cannot start: record and go on
+                msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+                logger.exception("%s: engine failed", method)
+                for g, b, s in group:
+                    rec = _base_record(method, g, b, s, 0, prefix, cfg, spec)
+                    rec.update(status="error", note=f"engine start failed: {msg}"[:500])
+                    records.append(rec)
+                bar.update(len(group) * cfg.repeats)
+                teardown_engine(llm)
+                continue
+            for g, b, s in group:
+                sp_kw, note = sampling_kwargs(method, s, spec)
+                try:  # untimed: first use of this batch shape / sampling path
+                    warmup(llm, prompts_by_b[b][0], cfg.warmup_tokens, sp_kw)
+                except Exception:
+                    logger.debug("warm-up failed", exc_info=True)
+                for rep in range(cfg.repeats):
+                    bar.set_postfix_str(f"{method} gen={g} b={b} {s} r{rep}")
+                    rec = _base_record(method, g, b, s, rep, prefix, cfg, spec)
+                    rec["note"] = note
+                    try:
+                        fields, ids = timed_run(llm, prompts_by_b[b], sp_kw, g, k)
+                    except Exception as e:
+                        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                        rec.update(status="error", note=f"{type(e).__name__}: {msg}"[:500])
+                        logger.exception("%s gen=%d b=%d %s failed", method, g, b, s)
+                    else:
+                        rec.update(fields)
+                        outputs[(method, g, b, s, rep)] = ids
+                        if cfg.save_tokens:
+                            os.makedirs(tok_dir, exist_ok=True)
+                            with open(os.path.join(tok_dir, f"{method}_g{g}_b{b}_{s}_r{rep}.json"),
+                                      "w", encoding="utf-8") as f:
+                                json.dump(ids, f)
+                    records.append(rec)
+                    bar.update(1)
+            bar.set_postfix_str(f"{method}: teardown")
+            teardown_engine(llm)
+            llm = None
+        fill_identical_to_ar(records, outputs)
+        report.compute_speedups(records)
+        if on_records is not None:
+            on_records(records)
+    bar.close()
+    fill_identical_to_ar(records, outputs)
+    report.compute_speedups(records)
+    return records

@@ -1,0 +1,467 @@
+"""Benchmark records -> JSON, CSV, PNG plots and a markdown summary.
+
+Pure functions (no vLLM, no torch); matplotlib is imported lazily by
+:func:`write_plots` with the ``Agg`` backend.
+
+A *record* is one timed run of one method in one setting (a ``dict``). Keys
+(see :data:`RECORD_FIELDS`):
+
+* ``method``, ``gen_len``, ``batch_size``, ``sampling``, ``repeat``: the setting.
+* ``status``: ``"ok"``, ``"unavailable"`` (method cannot run here; ``note`` says why)
+  or ``"error"``; ``note``: free text (e.g. "min_p dropped").
+* ``tokens_per_s``: generated tokens over all sequences / wall seconds.
+* ``latency_per_token_ms``: ``1000 * wall_s / (num_tokens / batch_size)``, the
+  average time per generated token of one sequence (paper Eq. 5 latency).
+* ``speedup_vs_ar``: method tokens/s / AR tokens/s (median AR over repeats of the
+  same ``gen_len``/``batch_size``/``sampling``), i.e. AR latency / method latency.
+* ``acceptance_rate``: α (paper Eq. 4) ``= accepted / (num_spec_tokens * drafts)``.
+* ``mean_accepted_length``: ``1 + accepted / drafts`` tokens per step (bonus included).
+* ``ngram_acceptance``: β (Eq. 6) from the TokenSwift plugin, else ``None``.
+* ``draft_time_share``: proposer time / engine step time (plugin), else ``None``.
+* ``identical_to_ar``: greedy only: every output's token ids equal AR's; else ``None``.
+* ``distinct_1`` .. ``distinct_4``: Distinct-n (Li et al. 2016; paper Table 6),
+  per output, averaged over outputs.
+* ``num_tokens``, ``wall_s``; optional ``time_draft_s``, ``time_verify_s``,
+  ``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``,
+  ``acceptance_per_pos``, ``num_speculative_tokens``, ``prefix_len``, ``model``,
+  ``ar_common_prefix_tokens`` (greedy: tokens equal to AR's before the first
+  difference, minimum over outputs), ``ttft_s`` (time to first token, s) and
+  ``decode_tokens_per_s`` (tokens after the first / time after it).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import statistics
+from collections import defaultdict
+from typing import Any, Iterable, Sequence
+
+#: Columns of results.csv, in order (records may carry more keys; JSON keeps all).
+RECORD_FIELDS: list[str] = [
+    "method", "gen_len", "batch_size", "sampling", "repeat", "status",
+    "tokens_per_s", "latency_per_token_ms", "speedup_vs_ar",
+    "acceptance_rate", "mean_accepted_length", "ngram_acceptance", "draft_time_share",
+    "identical_to_ar", "distinct_1", "distinct_2", "distinct_3", "distinct_4",
+    "num_tokens", "wall_s", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
+    "num_speculative_tokens", "time_draft_s", "time_verify_s", "prefix_len",
+    "ar_common_prefix_tokens", "ttft_s", "decode_tokens_per_s", "note",
+]
+
+#: Columns of the markdown summary table.
+SUMMARY_COLUMNS: list[str] = [
+    "method", "sampling", "batch", "gen_len", "repeats", "tok/s med", "tok/s min",
+    "ms/tok med", "ms/tok min", "speedup med", "alpha", "mean acc len", "beta",
+    "draft share", "identical to AR", "distinct-1", "distinct-2", "distinct-3", "distinct-4",
+    "note",
+]
+
+_SETTING = ("gen_len", "batch_size", "sampling")
+
+
+# ---------------------------------------------------------------------------
+# Figures computed from raw data
+# ---------------------------------------------------------------------------
+
+def distinct_n(tokens: Sequence[int], n: int) -> float | None:
+    """Distinct-n of one sequence: number of distinct n-grams / number of n-grams.
+
+    Returns ``None`` when the sequence has fewer than ``n`` tokens.
+    """
+    if n < 1:
+        raise ValueError("n must be >= 1")
+    total = len(tokens) - n + 1
+    if total <= 0:
+        return None
+    grams = {tuple(tokens[i:i + n]) for i in range(total)}
+    return len(grams) / total
+
+
+def distinct_scores(outputs: Iterable[Sequence[int]], max_n: int = 4) -> dict[str, float | None]:
+    """``{"distinct_1": .., ..., "distinct_{max_n}": ..}`` averaged over outputs.
+
+    Each output's Distinct-n is computed on its own token ids and the values are
+    averaged (outputs too short for ``n`` are skipped; ``None`` if none qualifies).
+    """
+    outs = [list(o) for o in outputs]
+    res: dict[str, float | None] = {}
+    for n in range(1, max_n + 1):
+        vals = [v for v in (distinct_n(o, n) for o in outs) if v is not None]
+        res[f"distinct_{n}"] = sum(vals) / len(vals) if vals else None
+    return res
+
+
+#: vLLM Prometheus counter name -> short key used in records.
+SPEC_COUNTERS = {
+    "vllm:spec_decode_num_drafts": "num_drafts",
+    "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
+}
+SPEC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def spec_counters_from_metrics(metrics: Iterable[Any]) -> dict[str, Any]:
+    """Sum vLLM's speculative-decoding counters from ``LLM.get_metrics()`` output.
+
+    Works on ``vllm.v1.metrics.reader`` objects (attributes ``name``, ``value`` or
+    ``values``) or plain dicts with the same keys. Label sets (engines) are summed.
+
+    Returns:
+        ``{"num_drafts", "num_draft_tokens", "num_accepted_tokens"}`` ints and
+        ``"accepted_per_pos"`` (list of ints, possibly empty).
+    """
+    out: dict[str, Any] = {k: 0 for k in SPEC_COUNTERS.values()}
+    per_pos: list[int] = []
+    for m in metrics:
+        get = (m.get if isinstance(m, dict) else lambda k, d=None, _m=m: getattr(_m, k, d))
+        name = get("name")
+        if name in SPEC_COUNTERS:
+            out[SPEC_COUNTERS[name]] += int(get("value", 0) or 0)
+        elif name == SPEC_PER_POS:
+            vals = list(get("values", []) or [])
+            if len(vals) > len(per_pos):
+                per_pos.extend([0] * (len(vals) - len(per_pos)))
+            for i, v in enumerate(vals):
+                per_pos[i] += int(v)
+    out["accepted_per_pos"] = per_pos
+    return out
+
+
+def counter_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """``after - before`` for every numeric key and element-wise for lists (cumulative counters)."""
+    d: dict[str, Any] = {}
+    for k, a in after.items():
+        b = before.get(k)
+        if isinstance(a, list):
+            b = list(b or [])
+            d[k] = [int(x) - (int(b[i]) if i < len(b) else 0) for i, x in enumerate(a)]
+        elif isinstance(a, (int, float)) and not isinstance(a, bool):
+            d[k] = a - (b if isinstance(b, (int, float)) and not isinstance(b, bool) else 0)
+    return d
+
+
+def acceptance_from_counters(delta: dict[str, Any], num_speculative_tokens: int | None
+                             ) -> dict[str, Any]:
+    """α, mean accepted length and per-position acceptance from counter deltas.
+
+    Args:
+        delta: output of :func:`counter_delta` on :func:`spec_counters_from_metrics`.
+        num_speculative_tokens: ``γ+1`` drafts per step (the speculative config's
+            ``num_speculative_tokens``).
+
+    Returns:
+        ``acceptance_rate`` = accepted / ((γ+1) · drafts) (paper Eq. 4),
+        ``mean_accepted_length`` = 1 + accepted / drafts, ``draft_token_acceptance``
+        = accepted / draft tokens (vLLM's own rate, differs when drafts are shorter
+        than γ+1), ``acceptance_per_pos`` = accepted at position i / drafts; all
+        ``None`` when there were no drafts.
+    """
+    drafts = int(delta.get("num_drafts", 0) or 0)
+    acc = int(delta.get("num_accepted_tokens", 0) or 0)
+    dtok = int(delta.get("num_draft_tokens", 0) or 0)
+    res: dict[str, Any] = {"num_drafts": drafts, "num_draft_tokens": dtok,
+                           "num_accepted_tokens": acc, "acceptance_rate": None,
+                           "mean_accepted_length": None, "draft_token_acceptance": None,
+                           "acceptance_per_pos": None}
+    if drafts > 0:
+        if num_speculative_tokens:
+            res["acceptance_rate"] = acc / (num_speculative_tokens * drafts)
+        res["mean_accepted_length"] = 1.0 + acc / drafts
+        res["draft_token_acceptance"] = acc / dtok if dtok else None
+        pp = delta.get("accepted_per_pos") or []
+        res["acceptance_per_pos"] = [v / drafts for v in pp] if pp else None
+    return res
+
+
+def throughput(num_tokens: int, wall_s: float, batch_size: int) -> dict[str, float | None]:
+    """``tokens_per_s`` (all sequences) and ``latency_per_token_ms`` (per sequence)."""
+    if wall_s <= 0 or num_tokens <= 0:
+        return {"tokens_per_s": None, "latency_per_token_ms": None}
+    per_seq = num_tokens / max(1, batch_size)
+    return {"tokens_per_s": num_tokens / wall_s, "latency_per_token_ms": 1000.0 * wall_s / per_seq}
+
+
+# ---------------------------------------------------------------------------
+# Aggregation
+# ---------------------------------------------------------------------------
+
+def _ok(r: dict) -> bool:
+    return r.get("status", "ok") == "ok" and isinstance(r.get("tokens_per_s"), (int, float))
+
+
+def _median(vals: Iterable[Any]) -> float | None:
+    v = [x for x in vals if isinstance(x, (int, float)) and not isinstance(x, bool)
+         and not (isinstance(x, float) and math.isnan(x))]
+    return statistics.median(v) if v else None
+
+
+def _min(vals: Iterable[Any]) -> float | None:
+    v = [x for x in vals if isinstance(x, (int, float)) and not isinstance(x, bool)]
+    return min(v) if v else None
+
+
+def compute_speedups(records: list[dict]) -> list[dict]:
+    """Fill ``speedup_vs_ar`` in place: method tokens/s ÷ median AR tokens/s of the
+    same (gen_len, batch_size, sampling) (= AR latency / method latency, paper Eq. 5).
+
+    ``None`` where no AR run of that setting succeeded. Returns ``records``.
+    """
+    ar: dict[tuple, list[float]] = defaultdict(list)
+    for r in records:
+        if r.get("method") == "ar" and _ok(r):
+            ar[tuple(r.get(k) for k in _SETTING)].append(r["tokens_per_s"])
+    for r in records:
+        base = _median(ar.get(tuple(r.get(k) for k in _SETTING), []))
+        r["speedup_vs_ar"] = (r["tokens_per_s"] / base) if (base and _ok(r)) else None
+    return records
+
+
+def _group_key(r: dict) -> tuple:
+    return (r.get("method"), r.get("sampling"), r.get("batch_size"), r.get("gen_len"))
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """One row per (method, sampling, batch_size, gen_len): medians over repeats.
+
+    Keys: ``method, sampling, batch_size, gen_len, repeats`` (successful runs),
+    ``tokens_per_s_median/min``, ``latency_ms_median/min``, ``speedup_median``,
+    ``acceptance_rate``, ``mean_accepted_length``, ``ngram_acceptance``,
+    ``draft_time_share``, ``distinct_1..4`` (medians), ``identical_to_ar`` (all
+    repeats identical; ``None`` when not applicable), ``status`` and ``note``.
+    Rows keep the order in which settings first appear.
+    """
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        groups.setdefault(_group_key(r), []).append(r)
+    rows = []
+    for key, rs in groups.items():
+        ok = [r for r in rs if _ok(r)]
+        ident = [r.get("identical_to_ar") for r in ok if r.get("identical_to_ar") is not None]
+        notes = sorted({str(r["note"]) for r in rs if r.get("note")})
+        row = {
+            "method": key[0], "sampling": key[1], "batch_size": key[2], "gen_len": key[3],
+            "repeats": len(ok),
+            "status": "ok" if ok else (rs[0].get("status") or "error"),
+            "tokens_per_s_median": _median(r["tokens_per_s"] for r in ok),
+            "tokens_per_s_min": _min(r["tokens_per_s"] for r in ok),
+            "latency_ms_median": _median(r.get("latency_per_token_ms") for r in ok),
+            "latency_ms_min": _min(r.get("latency_per_token_ms") for r in ok),
+            "speedup_median": _median(r.get("speedup_vs_ar") for r in ok),
+            "identical_to_ar": (all(ident) if ident else None),
+            "note": "; ".join(notes),
+        }
+        for f in ("acceptance_rate", "mean_accepted_length", "ngram_acceptance",
+                  "draft_time_share", "distinct_1", "distinct_2", "distinct_3", "distinct_4",
+                  "time_draft_s", "time_verify_s", "wall_s"):
+            row[f] = _median(r.get(f) for r in ok)
+        rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------------------
+# Writers
+# ---------------------------------------------------------------------------
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
+        return None
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def write_json(records: list[dict], path: str) -> str:
+    """Write the records as a JSON list (all keys kept). Returns ``path``."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(_jsonable(records), f, indent=2)
+    return path
+
+
+def _csv_cell(v: Any) -> Any:
+    if v is None:
+        return ""
+    if isinstance(v, (list, dict)):
+        return json.dumps(v)
+    return v
+
+
+def write_csv(records: list[dict], path: str) -> str:
+    """Write :data:`RECORD_FIELDS` columns (missing values empty). Returns ``path``."""
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=RECORD_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for r in records:
+            w.writerow({k: _csv_cell(r.get(k)) for k in RECORD_FIELDS})
+    return path
+
+
+def _fmt(v: Any, nd: int = 2) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.{nd}f}"
+    return str(v).replace("|", "/")
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """Markdown table of :func:`summarize` rows with :data:`SUMMARY_COLUMNS`."""
+    lines = ["| " + " | ".join(SUMMARY_COLUMNS) + " |",
+             "|" + "|".join(["---"] * len(SUMMARY_COLUMNS)) + "|"]
+    for r in rows:
+        note = r.get("note") or ""
+        st = r.get("status")
+        if st not in (None, "ok") and not note.startswith(f"{st}:"):
+            note = f"{st}: {note}" if note else str(st)
+        cells = [r["method"], r["sampling"], r["batch_size"], r["gen_len"], r["repeats"],
+                 _fmt(r["tokens_per_s_median"], 1), _fmt(r["tokens_per_s_min"], 1),
+                 _fmt(r["latency_ms_median"], 2), _fmt(r["latency_ms_min"], 2),
+                 _fmt(r["speedup_median"], 2), _fmt(r["acceptance_rate"], 3),
+                 _fmt(r["mean_accepted_length"], 2), _fmt(r["ngram_acceptance"], 3),
+                 _fmt(r["draft_time_share"], 2), _fmt(r["identical_to_ar"]),
+                 _fmt(r["distinct_1"], 3), _fmt(r["distinct_2"], 3), _fmt(r["distinct_3"], 3),
+                 _fmt(r["distinct_4"], 3), _fmt(note)]
+        lines.append("| " + " | ".join(_fmt(c) if not isinstance(c, str) else c.replace("|", "/")
+                                       for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def write_markdown(records: list[dict], path: str, meta: dict | None = None) -> str:
+    """Write summary.md: settings, the summary table (median over repeats, min too)
+    and the figure list. Returns ``path``."""
+    rows = summarize(records)
+    out = ["# vllm-tokenswift benchmark", ""]
+    if meta:
+        for k, v in meta.items():
+            out.append(f"- **{k}**: {v}")
+        out.append("")
+    out += ["Medians over repeats (`tok/s min` = slowest repeat, `ms/tok min` = fastest). "
+            "speedup = method tok/s ÷ AR tok/s of the same gen_len/batch/sampling "
+            "(= AR latency / method latency, paper Eq. 5). alpha = accepted / "
+            "(num_speculative_tokens × drafts) (Eq. 4); mean acc len = 1 + accepted / drafts; "
+            "beta = n-gram acceptance (Eq. 6, TokenSwift plugin only); distinct-n per output, "
+            "averaged (Table 6).", "", markdown_table(rows), "",
+            "Figures: `speedup_vs_gen_len.png`, `acceptance_vs_gen_len.png`, "
+            "`tokenswift_time_breakdown.png`.", ""]
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(out))
+    return path
+
+
+def _series(rows: list[dict], field: str, skip_ar: bool = False) -> dict[str, list[tuple]]:
+    """label -> sorted [(gen_len, value)] for rows with a value."""
+    ser: dict[str, list[tuple]] = defaultdict(list)
+    for r in rows:
+        if skip_ar and r["method"] == "ar":
+            continue
+        v = r.get(field)
+        if v is None or not isinstance(r.get("gen_len"), (int, float)):
+            continue
+        ser[f"{r['method']} [{r['sampling']}, b={r['batch_size']}]"].append((r["gen_len"], v))
+    return {k: sorted(v) for k, v in ser.items()}
+
+
+def write_plots(records: list[dict], out_dir: str) -> list[str]:
+    """Write the three PNG figures into ``out_dir``; returns their paths.
+
+    * ``speedup_vs_gen_len.png``: median speedup vs AR per method (1.0 line = AR).
+    * ``acceptance_vs_gen_len.png``: α (solid) and β (dashed) per method.
+    * ``tokenswift_time_breakdown.png``: stacked bars draft / verification / other
+      seconds per TokenSwift setting from ``time_draft_s`` / ``time_verify_s`` /
+      ``wall_s`` (a placeholder figure if no run recorded them).
+    """
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summarize(records)
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, pts in _series(rows, "speedup_median", skip_ar=True).items():
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    ax.axhline(1.0, color="grey", lw=1, ls=":", label="AR")
+    ax.set_xlabel("generation length (tokens)")
+    ax.set_ylabel("speedup vs AR (x)")
+    ax.set_title("Speedup vs generation length")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    p = os.path.join(out_dir, "speedup_vs_gen_len.png")
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(p)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    n = 0
+    for label, pts in _series(rows, "acceptance_rate", skip_ar=True).items():
+        line, = ax.plot([q[0] for q in pts], [q[1] for q in pts], marker="o", label=f"α {label}")
+        beta = dict(_series(rows, "ngram_acceptance", skip_ar=True)).get(label)
+        if beta:
+            ax.plot([q[0] for q in beta], [q[1] for q in beta], marker="x", ls="--",
+                    color=line.get_color(), label=f"β {label}")
+        n += 1
+    if n == 0:
+        ax.text(0.5, 0.5, "no speculative runs", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("generation length (tokens)")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("Acceptance α (Eq. 4) and n-gram acceptance β (Eq. 6)")
+    if n:
+        ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    p = os.path.join(out_dir, "acceptance_vs_gen_len.png")
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(p)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    bars = [r for r in rows if str(r["method"]).startswith("tokenswift")
+            and r.get("time_draft_s") is not None and r.get("wall_s")]
+    if bars:
+        labels = [f"{r['method']}\n{r['sampling']} b={r['batch_size']}\n{r['gen_len']}" for r in bars]
+        draft = [r["time_draft_s"] for r in bars]
+        verify = [r.get("time_verify_s") or 0.0 for r in bars]
+        other = [max(0.0, r["wall_s"] - d - v) for r, d, v in zip(bars, draft, verify)]
+        x = list(range(len(bars)))
+        ax.bar(x, draft, label="draft (proposer)")
+        ax.bar(x, verify, bottom=draft, label="verification (target step)")
+        ax.bar(x, other, bottom=[d + v for d, v in zip(draft, verify)], label="other")
+        ax.set_xticks(x)
+        ax.set_xticklabels(labels, fontsize=6)
+        ax.set_ylabel("seconds (median run)")
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "no TokenSwift timing recorded\n(time_draft_s missing)",
+                ha="center", va="center", transform=ax.transAxes)
+        ax.set_xticks([])
+    ax.set_title("Where a TokenSwift run spends its time")
+    fig.tight_layout()
+    p = os.path.join(out_dir, "tokenswift_time_breakdown.png")
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(p)
+    return paths
+
+
+def write_report(records: list[dict], out_dir: str, meta: dict | None = None,
+                 plots: bool = True) -> dict[str, Any]:
+    """Compute speedups and write results.json, results.csv, summary.md and the PNGs.
+
+    Returns a dict of the written paths (``json``, ``csv``, ``markdown``, ``plots``).
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    compute_speedups(records)
+    paths: dict[str, Any] = {
+        "json": write_json(records, os.path.join(out_dir, "results.json")),
+        "csv": write_csv(records, os.path.join(out_dir, "results.csv")),
+        "markdown": write_markdown(records, os.path.join(out_dir, "summary.md"), meta),
+    }
+    paths["plots"] = write_plots(records, out_dir) if plots else []
+    return paths
