@@ -52,6 +52,11 @@ class TokenSwiftConfig(BaseModel):
         draft_kv: ``"dynamic"`` (Sec 3.3: re-selected as the recent part fills the
             budget), ``"static"`` (selected once after prefill, ablation) or
             ``"full"`` (no budget: the whole block table, ablation).
+        view_granularity: ``"layer"``: each layer selects its own blocks by its own
+            importance (one block table per layer); ``"shared"``: one selection from
+            the importance summed over layers (one block table for all layers).
+            Token-level, per-KV-head selection (the paper's) is not offered: vLLM's
+            block tables are shared by all heads of a layer.
         use_heads: Use the trained draft heads for ``l_1..l_3``; ``False`` drafts
             only ``l_0`` from the LM head plus n-grams (ablation "heads off").
         draft_penalty: Apply the request's repetition penalty (windowed or not),
@@ -77,6 +82,7 @@ class TokenSwiftConfig(BaseModel):
     ngram_topk: int = Field(20, ge=0, le=1000)
     tree: list[int] = Field(default_factory=lambda: [1, 3, 3, 3])
     draft_kv: Literal["dynamic", "static", "full"] = "dynamic"
+    view_granularity: Literal["layer", "shared"] = "layer"
     use_heads: bool = True
     draft_penalty: bool = True
     ngram_min_conf: float = Field(0.3, ge=0.0, le=1.0)

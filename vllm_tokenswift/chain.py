@@ -1,0 +1,170 @@
+"""From TokenSwift's candidates to the one draft chain vLLM verifies (paper Sec 3.2).
+
+The paper verifies a tree: ``[1, 3, 3, 3]`` candidates from ``l_0..l_3`` plus the
+top-k n-grams that start with ``argmax l_0``, with tree attention. vLLM 0.32's
+rejection sampler verifies one chain per request, so this module picks, from
+the same candidate set, the chain with the highest *estimated expected
+accepted length*.
+
+Estimator (documented in the README, "Chain selection"). For a chain
+``c_1..c_L`` drafted after the newest token ``x``::
+
+    q_i = λ·p_i(c_i) + (1-λ)·f(c_i | ctx_i)   if i <= D and the n-gram context ctx_i was seen
+        = p_i(c_i)                             if i <= D and it was not (or n-grams are off)
+        = f(c_i | ctx_i)                       if i >  D (n-gram extension past the heads)
+    E[accepted] = Σ_{j=1..L} Π_{i<=j} q_i
+
+``p_i`` is the draft distribution at depth i (``l_{i-1}`` after the request's
+penalty, temperature and min_p), ``f`` the n-gram table's conditional frequency
+of ``c_i`` after the previous ``n-1`` tokens of ``history + x + c_<i``, ``D`` the
+number of draft distributions and ``λ`` = 0.5. Under the usual independence
+assumption, ``Π_{i<=j} q_i`` is the probability that the first ``j`` drafts are
+all accepted, so the sum is the expected number of accepted drafts.
+
+Candidates: every path of the tree (``Π tree[i]`` paths), the top-k n-grams
+starting with ``argmax l_0`` (paper) and the top-k n-grams starting with ``x``
+(their tail; the token ``x`` is already certain). The winner is then extended
+with the table's most frequent continuations while the cumulative acceptance
+estimate stays at least ``min_conf``, up to ``max_len`` tokens.
+
+Any chain built only from the context is lossless: vLLM treats custom drafts as
+point masses and its rejection sampler decides acceptance.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from vllm_tokenswift.ngram import NGramTable
+
+#: weight λ of the draft distribution against the n-gram frequency
+DEFAULT_MIX = 0.5
+
+SOURCE_HEADS = 0
+SOURCE_NGRAM = 1
+
+
+@dataclass
+class Chain:
+    """A chosen draft chain.
+
+    Attributes:
+        tokens: draft token ids ``c_1..c_L`` (L <= max_len).
+        sources: per token, :data:`SOURCE_HEADS` or :data:`SOURCE_NGRAM` (which
+            predictor put it in the chain; for metrics: n-gram acceptance β).
+        expected_len: the estimator's expected accepted length E[accepted].
+    """
+
+    tokens: list[int]
+    sources: list[int]
+    expected_len: float
+
+
+def score_chain(chain: Sequence[int], context: list[int], prob: Callable[[int, int], float | None],
+                table: NGramTable | None, num_dists: int, mix: float = DEFAULT_MIX) -> tuple[float, list[float]]:
+    """Expected accepted length of ``chain`` and its per-token q_i (see module doc).
+
+    Args:
+        chain: draft tokens ``c_1..c_L``.
+        context: the request's tokens up to and including ``x`` (only the last
+            ``n-1`` are read).
+        prob: ``prob(depth, token)`` -> ``p_depth(token)`` or None if unknown.
+        table: the request's n-gram table, or None when n-grams are off.
+        num_dists: D, the number of draft distributions.
+    """
+    m = table.n - 1 if table is not None else 0
+    tail = list(context[-m:]) if m else []
+    cum = 1.0
+    total = 0.0
+    qs = []
+    for i, tok in enumerate(chain):
+        f = None
+        if table is not None:
+            ctx = tuple(tail[-m:])
+            cnt = table.ctx_counts.get(ctx) if len(ctx) == m else None
+            if cnt:
+                f = table.counts.get(ctx + (tok,), 0) / cnt
+        p = prob(i, tok) if i < num_dists else None
+        if p is None:
+            q = f if f is not None else 0.0
+        elif f is None:
+            q = p
+        else:
+            q = mix * p + (1.0 - mix) * f
+        cum *= q
+        total += cum
+        qs.append(q)
+        if m:
+            tail.append(tok)
+    return total, qs
+
+
+def select_chain(context: list[int], tree_tokens: Sequence[Sequence[int]],
+                 prob: Callable[[int, int], float | None], table: NGramTable | None,
+                 ngram_topk: int, max_len: int, min_conf: float = 0.3,
+                 mix: float = DEFAULT_MIX) -> Chain:
+    """Pick the draft chain with the highest estimated expected accepted length.
+
+    Args:
+        context: request tokens so far, ending with the newest token ``x``.
+        tree_tokens: per depth d (0..D-1), the top ``tree[d]`` tokens of the draft
+            distribution ``l_d`` (most probable first); ``tree_tokens[0][0]`` is
+            ``argmax l_0``.
+        prob: ``prob(d, token)`` gives ``p_d(token)`` (None if not available).
+        table: the request's n-gram table (None or ``ngram_topk == 0``: no n-grams).
+        ngram_topk: k, n-grams retrieved per first token.
+        max_len: longest chain (``num_speculative_tokens``).
+        min_conf: stop n-gram extension when the cumulative estimate drops below this.
+    Returns:
+        :class:`Chain` (at least one token when ``max_len >= 1``).
+    """
+    num_dists = len(tree_tokens)
+    use_ng = table is not None and ngram_topk > 0
+    tab = table if use_ng else None
+    best_tokens: list[int] = []
+    best_src_ng = False
+    best_score = -1.0
+
+    depth = min(num_dists, max_len)
+    for path in itertools.product(*[tree_tokens[d] for d in range(depth)]):
+        s, _ = score_chain(path, context, prob, tab, num_dists, mix)
+        if s > best_score:
+            best_score, best_tokens, best_src_ng = s, list(path), False
+
+    if use_ng:
+        cands: list[list[int]] = []
+        for gram, _cnt in table.topk(tree_tokens[0][0], ngram_topk):
+            cands.append(list(gram[:max_len]))
+        x = context[-1]
+        for gram, _cnt in table.topk(x, ngram_topk):
+            cands.append(list(gram[1:1 + max_len]))
+        for cand in cands:
+            s, _ = score_chain(cand, context, prob, tab, num_dists, mix)
+            if s > best_score:
+                best_score, best_tokens, best_src_ng = s, cand, True
+
+    sources = [SOURCE_NGRAM if best_src_ng else SOURCE_HEADS] * len(best_tokens)
+    if use_ng and len(best_tokens) < max_len:
+        _, qs = score_chain(best_tokens, context, prob, tab, num_dists, mix)
+        cum = 1.0
+        for q in qs:
+            cum *= q
+        ext_ctx = list(context[-(table.n - 1):]) + best_tokens
+        while len(best_tokens) < max_len:
+            nxt = table.best_next(ext_ctx)
+            if nxt is None:
+                break
+            tok, f = nxt
+            if len(best_tokens) < num_dists:
+                p = prob(len(best_tokens), tok)
+                f = f if p is None else mix * p + (1.0 - mix) * f
+            if cum * f < min_conf:
+                break
+            cum *= f
+            best_score += cum
+            best_tokens.append(tok)
+            sources.append(SOURCE_NGRAM)
+            ext_ctx.append(tok)
+    return Chain(best_tokens, sources, best_score)

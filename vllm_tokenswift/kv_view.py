@@ -1,0 +1,271 @@
+"""The budgeted draft KV view (paper Sec 3.3), as a second paged view over a
+request's own KV blocks.
+
+The draft forward of the target model attends only to a view of the request's
+KV cache made of whole blocks of vLLM's paged cache::
+
+    [sink blocks] + [most important earlier blocks] + [recent blocks ... newest token's block]
+
+* **Sink**: the first ``ceil(sink_tokens / block_size)`` blocks, always kept.
+* **Important**: blocks ranked by the attention mass the newest token's query
+  puts on them (Eq. 2 aggregated per block, see :func:`block_importance`).
+* **Recent**: every block from the last re-selection point to the newest
+  token's block, which is always last so that the view's last logical slot is
+  the newest token's real slot (the draft forward writes its K/V there and
+  verification overwrites it with exact values).
+
+Dynamic updates follow Sec 3.3: the view always spans at most ``budget`` blocks;
+as generation adds recent blocks, the least important selected blocks drop out
+(the ranking is consumed from its tail); once the recent part would displace
+every selected block, importance is recomputed and the view rebuilt. A context
+shorter than the budget uses the whole context.
+
+The view is *pointer-only*: block ids the request already owns, so drafting needs
+no KV memory beyond vLLM's own cache and never modifies what verification reads
+(apart from the newest token's own slot, which verification rewrites).
+
+Granularity: a block table may differ per layer but not per KV head, so the
+paper's per-head token selection becomes per-layer block selection
+(``view_granularity="layer"``) or one selection shared by all layers
+(``"shared"``, cheaper metadata). The benchmark measures what this costs in
+acceptance against the ``full`` view.
+
+This module is pure (numpy/torch); the vLLM glue lives in ``proposer.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass
+class RequestView:
+    """Per-request view state.
+
+    Attributes:
+        recent_start: logical index of the first recent block (set at selection).
+        ranking: per group (layer, or one shared group), middle block indices sorted
+            by decreasing importance (only the first ``budget - sink - 1`` kept).
+        selections: how many times the view was (re-)selected.
+        pending_selection: the context outgrew the budget before a query was
+            available; select at the next step.
+    """
+
+    recent_start: int = -1
+    ranking: list[np.ndarray] | None = None
+    selections: int = 0
+    pending_selection: bool = False
+
+
+@dataclass
+class ViewPlan:
+    """What the draft forward of one request attends to.
+
+    Attributes:
+        blocks: per group, logical block indices (ascending, newest block last);
+            a single entry means all groups share it.
+        seq_len: logical length of the view in tokens (the newest token included).
+        needs_query: the caller must select before drafting (``select`` then re-plan).
+    """
+
+    blocks: list[np.ndarray]
+    seq_len: int
+    full: bool = False
+    needs_selection: bool = False
+
+
+@dataclass
+class ViewPlanner:
+    """Plans block-level draft views for the ``dynamic``, ``static`` and ``full`` modes.
+
+    Args:
+        budget_tokens: ``kv_budget`` |B| in tokens (rounded down to whole blocks).
+        sink_tokens: |S| (rounded up to whole blocks).
+        block_size: vLLM KV block size in tokens.
+        mode: ``"dynamic" | "static" | "full"``.
+        num_groups: number of independent selections (layers, or 1 when shared).
+    """
+
+    budget_tokens: int
+    sink_tokens: int
+    block_size: int
+    mode: str = "dynamic"
+    num_groups: int = 1
+    budget_blocks: int = field(init=False)
+    sink_blocks: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.budget_blocks = max(1, self.budget_tokens // self.block_size)
+        self.sink_blocks = math.ceil(self.sink_tokens / self.block_size) if self.sink_tokens else 0
+        if self.mode not in ("dynamic", "static", "full"):
+            raise ValueError(f"unknown draft_kv mode {self.mode!r}")
+
+    @property
+    def max_view_blocks(self) -> int:
+        """Upper bound on blocks in any view (for buffer sizing)."""
+        return self.budget_blocks
+
+    def plan(self, st: RequestView, pos: int) -> ViewPlan:
+        """View for drafting the token after position ``pos`` (the newest token).
+
+        Args:
+            st: the request's view state (read, not modified).
+            pos: 0-based position of the newest token (its K/V is written at ``pos``).
+        """
+        bs = self.block_size
+        last = pos // bs
+        seq_tail = pos % bs + 1
+        n_ctx_blocks = last + 1
+        if self.mode == "full" or n_ctx_blocks <= self.budget_blocks:
+            return ViewPlan([np.arange(n_ctx_blocks, dtype=np.int64)], pos + 1, full=True)
+        s = self.sink_blocks
+        if st.ranking is None:
+            # over budget but never selected: draft over the full context this once
+            # (captures the query used for selection, like the paper's prefill selection)
+            return ViewPlan([np.arange(n_ctx_blocks, dtype=np.int64)], pos + 1, full=True,
+                            needs_selection=True)
+        if self.mode == "static":
+            middle_n = self.budget_blocks - s - 1
+            recent = np.array([last], dtype=np.int64)
+        else:
+            n_recent = last - st.recent_start + 1
+            middle_n = self.budget_blocks - s - n_recent
+            if middle_n < 0:  # recent part displaced every selected block: re-select
+                return ViewPlan([np.arange(n_ctx_blocks, dtype=np.int64)], pos + 1, full=True,
+                                needs_selection=True)
+            recent = np.arange(st.recent_start, last + 1, dtype=np.int64)
+        sink = np.arange(s, dtype=np.int64)
+        views = []
+        for rank in st.ranking:
+            mid = np.sort(rank[:middle_n])
+            views.append(np.concatenate([sink, mid, recent]))
+        seq_len = (len(views[0]) - 1) * bs + seq_tail
+        return ViewPlan(views, seq_len)
+
+    def select(self, st: RequestView, pos: int, importance: list[np.ndarray] | None) -> None:
+        """(Re-)select the view from block importances computed at ``pos``.
+
+        Args:
+            st: state to update in place.
+            pos: position of the newest token.
+            importance: per group, a float array ``[last - sink_blocks]`` of scores for
+                blocks ``sink_blocks .. last-1`` (higher = more important); ``None``
+                falls back to recency (the most recent blocks rank highest).
+        """
+        last = pos // self.block_size
+        s = self.sink_blocks
+        keep = max(0, self.budget_blocks - s - 1)
+        n_mid = max(0, last - s)
+        if importance is None:
+            order = [np.arange(last - 1, s - 1, -1, dtype=np.int64)[:keep]]
+        else:
+            order = []
+            for imp in importance:
+                if imp.shape[0] != n_mid:
+                    raise ValueError(f"importance has {imp.shape[0]} blocks, expected {n_mid}")
+                # stable: ties broken by recency (later block first)
+                idx = np.argsort(-imp[::-1], kind="stable")[:keep]
+                order.append((s + n_mid - 1 - idx).astype(np.int64))
+        st.ranking = order
+        st.recent_start = last
+        st.selections += 1
+        st.pending_selection = False
+
+
+def block_importance(q: torch.Tensor, keys: torch.Tensor, num_valid_tokens: int | None = None) -> torch.Tensor:
+    """Attention mass the newest token's query puts on each KV block (Eq. 2, per block).
+
+    For each KV head ``h`` the group's query heads are summed first
+    (``Σ_j q_j · k = (Σ_j q_j) · k``, so K is never repeated for GQA), softmax-
+    normalised over the candidate tokens, and the per-block mass summed over heads.
+
+    Args:
+        q: ``[H_q, D]`` query of the newest token (after RoPE), any float dtype.
+        keys: ``[N_blocks, H_kv, bs, D]`` keys of the candidate blocks.
+        num_valid_tokens: tokens of the candidates that are real (default all).
+    Returns:
+        ``[N_blocks]`` float32 scores; they sum to ``H_kv``.
+    Raises:
+        ValueError: if ``H_q`` is not a multiple of ``H_kv``.
+    """
+    nb, hkv, bs, d = keys.shape
+    hq = q.shape[0]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads do not group over {hkv} KV heads")
+    qg = q.float().view(hkv, hq // hkv, d).sum(1)  # [H_kv, D]
+    k = keys.float().permute(1, 0, 2, 3).reshape(hkv, nb * bs, d)  # [H_kv, N*bs, D]
+    scores = torch.einsum("hd,hnd->hn", qg, k) / math.sqrt(d)
+    if num_valid_tokens is not None and num_valid_tokens < nb * bs:
+        scores[:, num_valid_tokens:] = float("-inf")
+    probs = torch.softmax(scores, dim=-1)
+    return probs.view(hkv, nb, bs).sum(dim=(0, 2))
+
+
+# --------------------------------------------------------------------------- KV layouts
+def keys_cpu_vec(kv: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Keys from vLLM's CPU attention cache (``vec`` ISA layout).
+
+    The tensor's logical shape is ``[num_blocks, H_kv, bs, 2D]`` but each
+    (block, head) chunk of ``2·bs·D`` elements holds K transposed ``[D, bs]``
+    followed by V ``[bs, D]``.
+
+    Returns ``[len(block_ids), H_kv, bs, D]`` (a copy).
+    """
+    _, h, bs, two_d = kv.shape
+    d = two_d // 2
+    chunk = kv[block_ids].reshape(len(block_ids), h, 2 * bs * d)
+    return chunk[..., : bs * d].reshape(len(block_ids), h, d, bs).transpose(-1, -2)
+
+
+def keys_split_last(kv: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Keys from a ``[num_blocks, H_kv, bs, 2D]`` cache whose last dim is ``[K | V]``
+    (FlashAttention-style). Returns ``[len(block_ids), H_kv, bs, D]``."""
+    d = kv.shape[-1] // 2
+    return kv[block_ids][..., :d]
+
+
+def keys_kv_first(kv: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Keys from a ``[2, num_blocks, bs, H_kv, D]`` cache. Returns ``[n, H_kv, bs, D]``."""
+    return kv[0][block_ids].transpose(1, 2)
+
+
+def keys_blocks_first(kv: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Keys from a ``[num_blocks, 2, bs, H_kv, D]`` cache. Returns ``[n, H_kv, bs, D]``."""
+    return kv[block_ids][:, 0].transpose(1, 2)
+
+
+KEY_READERS = {
+    "cpu_vec": keys_cpu_vec,
+    "split_last": keys_split_last,
+    "kv_first": keys_kv_first,
+    "blocks_first": keys_blocks_first,
+}
+
+
+def detect_key_layout(kv: torch.Tensor, slot: int, block_size: int, key: torch.Tensor) -> str | None:
+    """Find which reader returns ``key`` at ``slot`` (probe with a freshly written key).
+
+    Args:
+        kv: one layer's cache tensor.
+        slot: the slot the key was written to (``block_id * block_size + offset``).
+        key: ``[H_kv, D]`` the key written there.
+    Returns:
+        the name of the matching reader in :data:`KEY_READERS`, or None.
+    """
+    b, off = divmod(int(slot), block_size)
+    ids = torch.tensor([b], device=kv.device)
+    for name, fn in KEY_READERS.items():
+        try:
+            k = fn(kv, ids)
+        except Exception:  # shape does not fit this layout
+            continue
+        if k.dim() != 4 or k.shape[-2] != block_size or tuple(k.shape[1:2]) + tuple(k.shape[-1:]) != tuple(key.shape):
+            continue
+        got = k[0, :, off, :].float()
+        if torch.allclose(got, key.float().to(got.device), rtol=2e-2, atol=2e-2):
+            return name
+    return None

@@ -1,0 +1,165 @@
+"""TokenSwift's own counters, on top of vLLM's spec-decode metrics.
+
+vLLM already counts drafts, draft tokens, accepted tokens and per-position
+acceptance for any proposer (``vllm:spec_decode_*``; "SpecDecoding metrics"
+log line). These counters explain *why* acceptance is what it is:
+
+* tokens proposed and accepted per source (draft heads / LM head vs n-gram
+  candidates), giving the n-gram acceptance β of the paper (Eq. 6);
+* draft views used (budgeted, full because the context fits, full to select),
+  and view (re-)selections (Sec 3.3);
+* time spent drafting vs the whole engine step (draft-forward time share).
+
+They live in the worker (:class:`TokenSwiftStats`), are logged every
+``log_interval_s`` seconds, and can be fetched offline with
+:func:`get_engine_stats` (``LLM.collective_rpc``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+
+from vllm_tokenswift.chain import SOURCE_NGRAM
+
+logger = logging.getLogger("vllm_tokenswift")
+
+
+@dataclass
+class TokenSwiftStats:
+    """Cumulative per-engine counters (worker side). Times in seconds."""
+
+    draft_steps: int = 0            # propose calls that drafted for >= 1 request
+    drafts: int = 0                 # (request, step) pairs that got a chain
+    draft_tokens: int = 0           # tokens proposed
+    draft_tokens_heads: int = 0     # ... from l_0 / the heads
+    draft_tokens_ngram: int = 0     # ... from n-gram candidates
+    verified_drafts: int = 0        # chains the target verified
+    verified_tokens: int = 0
+    accepted_tokens: int = 0        # accepted draft tokens (all sources)
+    accepted_heads: int = 0
+    accepted_ngram: int = 0         # Σ a'_i of Eq. 6
+    accepted_per_pos: list[int] = field(default_factory=list)
+    view_selections: int = 0        # importance (re-)selections
+    views_budgeted: int = 0         # drafts over a budgeted view
+    views_full: int = 0             # drafts over the whole context (fits, or to select)
+    skipped_no_slot: int = 0        # newest token's slot not allocated (should stay 0)
+    time_draft_s: float = 0.0       # inside the proposer
+    time_draft_forward_s: float = 0.0  # of which the target's draft forward + heads
+    time_total_s: float = 0.0       # wall time between consecutive proposer calls (engine steps)
+    _last_call: float | None = None
+    _last_log: float = field(default_factory=time.monotonic)
+
+    def record_verification(self, sources: list[int], num_verified: int, num_accepted: int) -> None:
+        """Account for one verified chain.
+
+        Args:
+            sources: per draft token, the predictor that proposed it (``chain.SOURCE_*``).
+            num_verified: drafts the target actually verified (the scheduler may trim).
+            num_accepted: how many of them were accepted (``len(sampled) - 1``).
+        """
+        if num_verified <= 0:
+            return
+        self.verified_drafts += 1
+        self.verified_tokens += num_verified
+        a = min(num_accepted, num_verified)
+        self.accepted_tokens += a
+        ng = sum(1 for s in sources[:a] if s == SOURCE_NGRAM)
+        self.accepted_ngram += ng
+        self.accepted_heads += a - ng
+        while len(self.accepted_per_pos) < num_verified:
+            self.accepted_per_pos.append(0)
+        for j in range(a):
+            self.accepted_per_pos[j] += 1
+
+    def record_chain(self, sources: list[int]) -> None:
+        self.drafts += 1
+        self.draft_tokens += len(sources)
+        ng = sum(1 for s in sources if s == SOURCE_NGRAM)
+        self.draft_tokens_ngram += ng
+        self.draft_tokens_heads += len(sources) - ng
+
+    def step_started(self) -> float:
+        now = time.perf_counter()
+        if self._last_call is not None:
+            self.time_total_s += now - self._last_call
+        self._last_call = now
+        return now
+
+    def summary(self, num_spec_tokens: int) -> dict:
+        """Figures derived from the counters.
+
+        ``acceptance_rate`` is the paper's α (Eq. 4) over verified chains with
+        γ+1 = ``num_spec_tokens``; ``ngram_acceptance`` is β (Eq. 6);
+        ``mean_accepted_length`` counts the bonus token (1 + accepted/chains).
+        """
+        d = {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+        t = max(self.verified_drafts, 1)
+        d["acceptance_rate"] = self.accepted_tokens / (num_spec_tokens * t) if self.verified_drafts else None
+        d["ngram_acceptance"] = self.accepted_ngram / (num_spec_tokens * t) if self.verified_drafts else None
+        d["mean_accepted_length"] = 1 + self.accepted_tokens / t if self.verified_drafts else None
+        d["draft_time_share"] = (self.time_draft_s / self.time_total_s) if self.time_total_s > 0 else None
+        d["num_speculative_tokens"] = num_spec_tokens
+        return d
+
+    def maybe_log(self, interval_s: float, num_spec_tokens: int) -> None:
+        if interval_s <= 0:
+            return
+        now = time.monotonic()
+        if now - self._last_log < interval_s:
+            return
+        self._last_log = now
+        s = self.summary(num_spec_tokens)
+        logger.info(
+            "TokenSwift metrics: drafts=%d accepted=%d/%d (heads %d, n-gram %d) alpha=%s beta=%s "
+            "mean_accepted_len=%s view_selections=%d budgeted/full views=%d/%d draft_time_share=%s",
+            self.drafts, self.accepted_tokens, self.verified_tokens, self.accepted_heads,
+            self.accepted_ngram, _fmt(s["acceptance_rate"]), _fmt(s["ngram_acceptance"]),
+            _fmt(s["mean_accepted_length"]), self.view_selections, self.views_budgeted,
+            self.views_full, _fmt(s["draft_time_share"]))
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
+def worker_stats(worker) -> dict | None:
+    """Installed by the plugin as ``WorkerBase.tokenswift_stats`` (reachable by name
+    through ``collective_rpc``)."""
+    runner = getattr(worker, "model_runner", None)
+    drafter = getattr(runner, "drafter", None)
+    fn = getattr(drafter, "tokenswift_stats", None)
+    return fn() if fn is not None else None
+
+
+def worker_reset(worker) -> bool:
+    """Installed by the plugin as ``WorkerBase.tokenswift_reset_stats``."""
+    runner = getattr(worker, "model_runner", None)
+    drafter = getattr(runner, "drafter", None)
+    fn = getattr(drafter, "reset_tokenswift_stats", None)
+    if fn is None:
+        return False
+    fn()
+    return True
+
+
+def get_engine_stats(llm) -> dict | None:
+    """TokenSwift counters of an offline ``vllm.LLM`` (first worker), or None if the
+    engine does not run TokenSwift. See :meth:`TokenSwiftStats.summary` for the keys."""
+    try:
+        res = llm.collective_rpc("tokenswift_stats")
+    except Exception:  # engine without the plugin's worker method
+        logger.debug("collective_rpc failed", exc_info=True)
+        return None
+    return res[0] if res else None
+
+
+def reset_engine_stats(llm) -> bool:
+    """Zero the TokenSwift counters of an offline engine (between benchmark runs)."""
+    try:
+        res = llm.collective_rpc("tokenswift_reset_stats")
+    except Exception:
+        logger.debug("collective_rpc failed", exc_info=True)
+        return False
+    return bool(res and res[0])

@@ -1,0 +1,174 @@
+"""Per-request n-gram table for token reutilization (paper Sec 3.2).
+
+The table counts every n-gram of a request's tokens (prompt included, as the
+reference implementation does) and is updated incrementally as tokens are
+accepted. It answers three questions in O(1) or O(k):
+
+* :meth:`NGramTable.topk` — the k most frequent n-grams that start with a given
+  token (the paper's candidate retrieval), in O(k): each first token keeps its
+  n-grams in a list sorted by count, maintained with the O(1) "swap to the
+  head of the equal-count block" update used by LFU caches;
+* :meth:`NGramTable.cond_prob` — the empirical probability of a token after a
+  given (n-1)-token context, ``count(ctx + tok) / count(ctx + *)``; the chain
+  selector uses it as the n-gram predictor's acceptance estimate;
+* :meth:`NGramTable.best_next` — the most frequent continuation of an
+  (n-1)-token context, used to extend a chain past the heads' depth.
+
+All state is plain Python (dicts and lists of ints); no tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+
+class _SortedByCount:
+    """n-grams sharing a first token, sorted by count (descending), O(1) increments."""
+
+    __slots__ = ("items", "pos", "start", "_counts")
+
+    def __init__(self, counts: dict[tuple[int, ...], int]) -> None:
+        self._counts = counts  # the owning table's counts (shared, read-only here)
+        self.items: list[tuple[int, ...]] = []
+        self.pos: dict[tuple[int, ...], int] = {}
+        # start[c] = index of the first item whose count is c
+        self.start: dict[int, int] = {}
+
+    def add_new(self, gram: tuple[int, ...]) -> None:
+        """Insert a gram whose count just became 1 (goes at the end)."""
+        self.start.setdefault(1, len(self.items))
+        self.pos[gram] = len(self.items)
+        self.items.append(gram)
+
+    def increment(self, gram: tuple[int, ...], new_count: int) -> None:
+        """``gram``'s count went from ``new_count - 1`` to ``new_count``: keep the order."""
+        old = new_count - 1
+        i = self.pos[gram]
+        j = self.start[old]  # first item of the old-count block
+        if i != j:
+            other = self.items[j]
+            self.items[i], self.items[j] = other, gram
+            self.pos[other], self.pos[gram] = i, j
+        # the old block now starts one later (or is empty)
+        if j + 1 < len(self.items) and self._count_at(j + 1, old):
+            self.start[old] = j + 1
+        else:
+            del self.start[old]
+        self.start.setdefault(new_count, j)
+
+    def _count_at(self, idx: int, count: int) -> bool:
+        return self._counts[self.items[idx]] == count
+
+
+class NGramTable:
+    """Counts of the n-grams of one request's token sequence.
+
+    Args:
+        n: n-gram order (paper: 4).
+
+    Memory: O(number of distinct n-grams) Python objects, about 0.3 KB each.
+    """
+
+    __slots__ = ("n", "tokens", "counts", "ctx_counts", "ctx_best", "by_first")
+
+    def __init__(self, n: int = 4):
+        if n < 2:
+            raise ValueError(f"n-gram order must be >= 2, got {n}")
+        self.n = n
+        self.tokens: list[int] = []
+        self.counts: dict[tuple[int, ...], int] = {}
+        # (n-1)-gram context -> number of n-grams with that context
+        self.ctx_counts: dict[tuple[int, ...], int] = {}
+        # (n-1)-gram context -> (most frequent next token, its count)
+        self.ctx_best: dict[tuple[int, ...], tuple[int, int]] = {}
+        self.by_first: dict[int, _SortedByCount] = {}
+
+    def __len__(self) -> int:
+        """Number of tokens indexed so far."""
+        return len(self.tokens)
+
+    @property
+    def num_ngrams(self) -> int:
+        """Number of distinct n-grams."""
+        return len(self.counts)
+
+    def extend(self, new_tokens: Iterable[int]) -> None:
+        """Append tokens and count every n-gram they complete (O(1) per token)."""
+        n = self.n
+        toks = self.tokens
+        counts = self.counts
+        for t in new_tokens:
+            toks.append(int(t))
+            if len(toks) < n:
+                continue
+            gram = tuple(toks[-n:])
+            c = counts.get(gram, 0) + 1
+            counts[gram] = c
+            lst = self.by_first.get(gram[0])
+            if lst is None:
+                lst = _SortedByCount(counts)
+                self.by_first[gram[0]] = lst
+            if c == 1:
+                lst.add_new(gram)
+            else:
+                lst.increment(gram, c)
+            ctx = gram[:-1]
+            self.ctx_counts[ctx] = self.ctx_counts.get(ctx, 0) + 1
+            best = self.ctx_best.get(ctx)
+            if best is None or c > best[1] or best[0] == gram[-1]:
+                self.ctx_best[ctx] = (gram[-1], c)
+
+    def sync(self, all_tokens: Sequence[int]) -> int:
+        """Index ``all_tokens[len(self):]`` (the request's full token list so far).
+
+        Returns the number of tokens added.
+        """
+        k = len(self.tokens)
+        if len(all_tokens) > k:
+            self.extend(all_tokens[k:])
+        return len(all_tokens) - k
+
+    def count(self, gram: Sequence[int]) -> int:
+        """Occurrences of an n-gram (0 if unseen)."""
+        return self.counts.get(tuple(gram), 0)
+
+    def topk(self, first_token: int, k: int) -> list[tuple[tuple[int, ...], int]]:
+        """The ``k`` most frequent n-grams starting with ``first_token``, most frequent first.
+
+        Ties keep insertion/promotion order (deterministic). O(k).
+
+        Returns:
+            list of ``(ngram, count)``; each ngram is a tuple of n token ids.
+        """
+        lst = self.by_first.get(int(first_token))
+        if lst is None or k <= 0:
+            return []
+        counts = self.counts
+        return [(g, counts[g]) for g in lst.items[:k]]
+
+    def cond_prob(self, context: Sequence[int], token: int) -> float:
+        """``count(context[-(n-1):] + token) / count(context[-(n-1):] + *)``; 0 when unseen.
+
+        Args:
+            context: at least ``n-1`` preceding token ids (only the last ``n-1`` are used).
+        """
+        m = self.n - 1
+        if len(context) < m:
+            return 0.0
+        ctx = tuple(context[-m:])
+        total = self.ctx_counts.get(ctx)
+        if not total:
+            return 0.0
+        return self.counts.get(ctx + (int(token),), 0) / total
+
+    def best_next(self, context: Sequence[int]) -> tuple[int, float] | None:
+        """Most frequent continuation of ``context[-(n-1):]`` and its conditional frequency."""
+        m = self.n - 1
+        if len(context) < m:
+            return None
+        ctx = tuple(context[-m:])
+        best = self.ctx_best.get(ctx)
+        if best is None:
+            return None
+        tok = best[0]
+        return tok, self.counts[ctx + (tok,)] / self.ctx_counts[ctx]
