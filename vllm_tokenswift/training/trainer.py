@@ -218,7 +218,7 @@ def base_hidden_states(model, input_ids: torch.Tensor) -> torch.Tensor:
     def hook(_mod, args):
         captured.append(args[0])
 
-    handle = model.model.norm.register_forward_hook(lambda m, a, o: captured.append(o))
+    handle = model.model.norm.register_forward_pre_hook(hook)
     try:
         with torch.no_grad():
             model.model(input_ids=input_ids, use_cache=False)
