@@ -50,3 +50,21 @@ def build_random_heads(out_dir: str | Path, hidden_size: int, seed: int = 1, sca
         for h in heads.heads:
             h.linear.weight.normal_(0, scale)
     return save_heads(heads, out_dir)
+
+
+def build_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> Path:
+    """Byte-level BPE tokenizer (``tokenizers``) trained on a bundled paragraph, saved as a
+    ``PreTrainedTokenizerFast`` next to a tiny model so vLLM can serve text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    text = (Path(__file__).parent / "data" / "tiny_corpus.jsonl").read_text()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([text] * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(str(out_dir))
+    return Path(out_dir)

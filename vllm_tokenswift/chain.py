@@ -16,7 +16,9 @@ Estimator (documented in the README, "Chain selection"). For a chain
 
 ``p_i`` is the draft distribution at depth i (``l_{i-1}`` after the request's
 penalty, temperature and min_p), ``f`` the n-gram table's conditional frequency
-of ``c_i`` after the previous ``n-1`` tokens of ``history + x + c_<i``, ``D`` the
+of ``c_i`` after the previous ``n-1`` tokens of ``history + x + c_<i`` (backing
+off, for a retrieved n-gram whose full context was never seen, to its frequency
+among the retrieved n-grams that share its prefix: :func:`within_frequencies`), ``D`` the
 number of draft distributions and ``λ`` = 0.5. Under the usual independence
 assumption, ``Π_{i<=j} q_i`` is the probability that the first ``j`` drafts are
 all accepted, so the sum is the expected number of accepted drafts.
@@ -63,7 +65,8 @@ class Chain:
 
 
 def score_chain(chain: Sequence[int], context: list[int], prob: Callable[[int, int], float | None],
-                table: NGramTable | None, num_dists: int, mix: float = DEFAULT_MIX) -> tuple[float, list[float]]:
+                table: NGramTable | None, num_dists: int, mix: float = DEFAULT_MIX,
+                backoff: Sequence[float | None] | None = None) -> tuple[float, list[float]]:
     """Expected accepted length of ``chain`` and its per-token q_i (see module doc).
 
     Args:
@@ -73,6 +76,8 @@ def score_chain(chain: Sequence[int], context: list[int], prob: Callable[[int, i
         prob: ``prob(depth, token)`` -> ``p_depth(token)`` or None if unknown.
         table: the request's n-gram table, or None when n-grams are off.
         num_dists: D, the number of draft distributions.
+        backoff: per chain position, an n-gram frequency to use when the full
+            ``(n-1)``-token context was never seen (see :func:`within_frequencies`).
     """
     m = table.n - 1 if table is not None else 0
     tail = list(context[-m:]) if m else []
@@ -86,6 +91,8 @@ def score_chain(chain: Sequence[int], context: list[int], prob: Callable[[int, i
             cnt = table.ctx_counts.get(ctx) if len(ctx) == m else None
             if cnt:
                 f = table.counts.get(ctx + (tok,), 0) / cnt
+            elif backoff is not None and i < len(backoff):
+                f = backoff[i]
         p = prob(i, tok) if i < num_dists else None
         if p is None:
             q = f if f is not None else 0.0
@@ -99,6 +106,24 @@ def score_chain(chain: Sequence[int], context: list[int], prob: Callable[[int, i
         if m:
             tail.append(tok)
     return total, qs
+
+
+def within_frequencies(grams: Sequence[tuple[tuple[int, ...], int]], gram: tuple[int, ...],
+                       skip_first: bool) -> list[float | None]:
+    """Back-off frequencies of ``gram``'s tokens among the retrieved n-grams.
+
+    ``f_i = S(g_1..g_i) / S(g_1..g_{i-1})`` where ``S(prefix)`` sums the counts of the
+    retrieved n-grams (all sharing ``g_1``) that start with ``prefix``: the
+    paper's top-k frequency statistics, conditioned on the chain so far. With
+    ``skip_first`` (n-grams keyed on the newest token ``x``) the chain is
+    ``g_2..g_n``; otherwise position 1 (``g_1 = argmax l_0``) gets None.
+    """
+    out: list[float | None] = [] if skip_first else [None]
+    for i in range(2, len(gram) + 1):
+        den = sum(c for g, c in grams if g[: i - 1] == gram[: i - 1])
+        num = sum(c for g, c in grams if g[:i] == gram[:i])
+        out.append(num / den if den else None)
+    return out
 
 
 def select_chain(context: list[int], tree_tokens: Sequence[Sequence[int]],
@@ -125,6 +150,7 @@ def select_chain(context: list[int], tree_tokens: Sequence[Sequence[int]],
     tab = table if use_ng else None
     best_tokens: list[int] = []
     best_src_ng = False
+    best_back: list[float | None] | None = None
     best_score = -1.0
 
     depth = min(num_dists, max_len)
@@ -134,20 +160,20 @@ def select_chain(context: list[int], tree_tokens: Sequence[Sequence[int]],
             best_score, best_tokens, best_src_ng = s, list(path), False
 
     if use_ng:
-        cands: list[list[int]] = []
-        for gram, _cnt in table.topk(tree_tokens[0][0], ngram_topk):
-            cands.append(list(gram[:max_len]))
-        x = context[-1]
-        for gram, _cnt in table.topk(x, ngram_topk):
-            cands.append(list(gram[1:1 + max_len]))
-        for cand in cands:
-            s, _ = score_chain(cand, context, prob, tab, num_dists, mix)
+        cands: list[tuple[list[int], list[float | None]]] = []
+        for skip, first in ((False, tree_tokens[0][0]), (True, context[-1])):
+            grams = table.topk(first, ngram_topk)
+            for gram, _cnt in grams:
+                chain = list(gram[1:] if skip else gram)[:max_len]
+                cands.append((chain, within_frequencies(grams, gram, skip)))
+        for cand, back in cands:
+            s, _ = score_chain(cand, context, prob, tab, num_dists, mix, back)
             if s > best_score:
-                best_score, best_tokens, best_src_ng = s, cand, True
+                best_score, best_tokens, best_src_ng, best_back = s, cand, True, back
 
     sources = [SOURCE_NGRAM if best_src_ng else SOURCE_HEADS] * len(best_tokens)
     if use_ng and len(best_tokens) < max_len:
-        _, qs = score_chain(best_tokens, context, prob, tab, num_dists, mix)
+        _, qs = score_chain(best_tokens, context, prob, tab, num_dists, mix, best_back)
         cum = 1.0
         for q in qs:
             cum *= q

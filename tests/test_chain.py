@@ -1,0 +1,65 @@
+"""Unit tests of chain selection (candidates -> one verified chain)."""
+
+import pytest
+
+from vllm_tokenswift.chain import SOURCE_HEADS, SOURCE_NGRAM, score_chain, select_chain
+from vllm_tokenswift.ngram import NGramTable
+
+
+def probs_from(table):
+    def prob(d, tok):
+        return table[d].get(tok, 0.0) if d < len(table) else None
+    return prob
+
+
+def test_score_chain_exact_without_ngrams():
+    p = probs_from([{5: 0.5}, {6: 0.4}, {7: 0.5}])
+    s, qs = score_chain([5, 6, 7], [1], p, None, 3)
+    assert qs == [0.5, 0.4, 0.5]
+    assert s == pytest.approx(0.5 + 0.2 + 0.1)
+
+
+def test_heads_only_picks_top_path():
+    tree = [[5], [6, 60, 600], [7, 70, 700], [8, 80, 800]]
+    p = probs_from([{5: 0.9}, {6: 0.6, 60: 0.3, 600: 0.1}, {7: 0.5, 70: 0.4}, {8: 0.5, 80: 0.2}])
+    ch = select_chain([1, 2, 3], tree, p, None, ngram_topk=0, max_len=4)
+    assert ch.tokens == [5, 6, 7, 8]
+    assert ch.sources == [SOURCE_HEADS] * 4
+    assert ch.expected_len == pytest.approx(0.9 + 0.54 + 0.27 + 0.135)
+
+
+def test_ngram_candidate_wins_when_history_supports_it():
+    table = NGramTable(4)
+    # history repeats "5 11 12 13" many times
+    table.extend([1, 2, 3] + [5, 11, 12, 13] * 10 + [4])
+    tree = [[5], [6], [7], [8]]
+    p = probs_from([{5: 0.9, 11: 0.0}, {6: 0.3}, {7: 0.3}, {8: 0.3}])
+    ch = select_chain(table.tokens, tree, p, table, ngram_topk=5, max_len=4)
+    assert ch.tokens == [5, 11, 12, 13]
+    assert ch.sources == [SOURCE_NGRAM] * 4
+
+
+def test_extension_beyond_heads_up_to_max_len():
+    table = NGramTable(3)
+    seq = [20, 21, 22, 23, 24, 25, 26, 27]
+    table.extend(seq * 6)
+    context = seq * 6  # ends with 27; history says 20 follows
+    tree = [[20], [21], [22], [23]]
+    p = probs_from([{20: 0.9}, {21: 0.9}, {22: 0.9}, {23: 0.9}])
+    ch = select_chain(context, tree, p, table, ngram_topk=5, max_len=7, min_conf=0.3)
+    assert ch.tokens == [20, 21, 22, 23, 24, 25, 26]
+    assert ch.sources[4:] == [SOURCE_NGRAM] * 3
+    # max_len caps the chain, and k=0 disables n-gram use entirely
+    assert select_chain(context, tree, p, table, ngram_topk=5, max_len=2).tokens == [20, 21]
+    assert select_chain(context, tree, p, table, ngram_topk=0, max_len=7).tokens == [20, 21, 22, 23]
+
+
+def test_extension_stops_below_min_conf():
+    table = NGramTable(2)
+    table.extend([1, 2, 1, 3, 1, 4, 1, 5])  # after 1: four equally likely tokens
+    p = probs_from([{1: 0.9}])
+    ch = select_chain([9, 5], [[1]], p, table, ngram_topk=5, max_len=4, min_conf=0.3)
+    # candidate n-gram [1, 2]: E = 0.9 + 0.9*0.25; the continuation after 2 (always 1, f=1)
+    # would need a cumulative estimate 0.225 >= min_conf, so the chain is not extended
+    assert ch.tokens == [1, 2]
+    assert ch.expected_len == pytest.approx(0.9 + 0.9 * 0.25)

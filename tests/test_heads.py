@@ -1,0 +1,94 @@
+"""Unit tests of the dependent draft heads (Sec 3.2) and their checkpoint formats."""
+
+import json
+
+import pytest
+import torch
+
+from vllm_tokenswift.heads import (DraftHeads, HeadsLoadError, export_tokenswift_layout, load_heads,
+                                   rms_norm, save_heads)
+
+H = 64
+
+
+def random_heads(seed=0):
+    torch.manual_seed(seed)
+    heads = DraftHeads(H, 3, eps=1e-6)
+    with torch.no_grad():
+        for hd in heads.heads:
+            hd.linear.weight.normal_(0, 0.1)
+            hd.input_layernorm.normal_(1, 0.1)
+            hd.post_layernorm.normal_(1, 0.1)
+    return heads
+
+
+def reference(heads, h0):
+    outs, h = [], h0
+    for hd in heads.heads:
+        x = h.float()
+        n_in = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * hd.input_layernorm
+        h = h + n_in @ hd.linear.weight.T
+        y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * hd.post_layernorm
+        outs.append(y)
+    return outs
+
+
+def test_shapes_and_reference_computation():
+    heads = random_heads()
+    h0 = torch.randn(5, H)
+    outs = heads(h0)
+    assert len(outs) == 3 and all(o.shape == (5, H) and o.dtype == torch.float32 for o in outs)
+    for got, ref in zip(outs, reference(heads, h0)):
+        assert torch.allclose(got, ref, atol=1e-5)
+
+
+def test_fresh_heads_reproduce_normed_input():
+    heads = DraftHeads(H, 3)
+    h0 = torch.randn(4, H)
+    expect = rms_norm(h0, torch.ones(H), 1e-6)
+    for o in heads(h0):
+        assert torch.allclose(o, expect, atol=1e-6)
+
+
+def test_save_load_roundtrip_and_dtype(tmp_path):
+    heads = random_heads(1)
+    save_heads(heads, tmp_path / "h", metadata={"base_model": "tiny"})
+    cfg = json.loads((tmp_path / "h" / "tokenswift_heads.json").read_text())
+    assert cfg["num_heads"] == 3 and cfg["hidden_size"] == H and cfg["base_model"] == "tiny"
+    loaded = load_heads(tmp_path / "h", hidden_size=H)
+    h0 = torch.randn(3, H)
+    for a, b in zip(heads(h0), loaded(h0)):
+        assert torch.equal(a, b)
+    bf = load_heads(tmp_path / "h", hidden_size=H, dtype=torch.bfloat16)
+    assert next(bf.parameters()).dtype == torch.bfloat16
+    with pytest.raises(HeadsLoadError, match="float32"):
+        load_heads(tmp_path / "h", hidden_size=H, dtype=torch.bfloat16, strict_dtype=True)
+
+
+def test_published_medusa_layout_reads_only_head_tensors(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    heads = random_heads(2)
+    export_tokenswift_layout(heads, tmp_path / "ts", base_config={"model_type": "llama"})
+    tensors = load_file(str(tmp_path / "ts" / "model.safetensors"))
+    assert set(tensors) == {f"model.medusa_layers.{i}.{p}" for i in range(3)
+                            for p in ("linear.weight", "input_layernorm.weight", "post_layernorm.weight")}
+    # a full model folder: extra base-model tensors in another shard are ignored
+    save_file({"model.embed_tokens.weight": torch.randn(10, H)}, str(tmp_path / "ts" / "model-base.safetensors"))
+    loaded = load_heads(tmp_path / "ts", hidden_size=H)
+    for a, b in zip(heads.parameters(), loaded.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_mismatches_fail_clearly(tmp_path):
+    heads = random_heads()
+    save_heads(heads, tmp_path / "h")
+    with pytest.raises(HeadsLoadError, match="hidden size 64 but the target model has 128"):
+        load_heads(tmp_path / "h", hidden_size=128)
+    with pytest.raises(HeadsLoadError, match="3 heads but 4"):
+        load_heads(tmp_path / "h", hidden_size=H, num_heads=4)
+    with pytest.raises(HeadsLoadError, match="not a folder"):
+        load_heads(tmp_path / "missing", hidden_size=H)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(HeadsLoadError, match="neither"):
+        load_heads(tmp_path / "empty", hidden_size=H)

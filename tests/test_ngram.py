@@ -1,0 +1,71 @@
+"""Unit tests of the per-request n-gram table (token reutilization, Sec 3.2)."""
+
+import random
+from collections import Counter
+
+import pytest
+
+from vllm_tokenswift.ngram import NGramTable
+
+
+def brute_counts(tokens, n):
+    return Counter(tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1))
+
+
+def test_counts_and_topk_order_exact():
+    t = NGramTable(3)
+    toks = [1, 2, 3, 1, 2, 3, 1, 2, 4, 1, 2, 3]
+    t.extend(toks)
+    assert t.count([1, 2, 3]) == 3
+    assert t.count([1, 2, 4]) == 1
+    assert t.count([2, 3, 1]) == 2
+    assert t.num_ngrams == len(brute_counts(toks, 3))
+    assert t.topk(1, 5) == [((1, 2, 3), 3), ((1, 2, 4), 1)]
+    assert t.topk(1, 1) == [((1, 2, 3), 3)]
+    assert t.topk(7, 5) == []
+    assert t.topk(1, 0) == []
+
+
+def test_incremental_equals_batch_and_bruteforce():
+    rng = random.Random(0)
+    toks = [rng.randrange(6) for _ in range(5000)]
+    inc = NGramTable(4)
+    for i in range(0, len(toks), 37):  # uneven increments, like accepted chunks
+        inc.extend(toks[i:i + 37])
+    batch = NGramTable(4)
+    batch.extend(toks)
+    ref = brute_counts(toks, 4)
+    assert inc.counts == batch.counts == dict(ref)
+    for first in range(6):
+        got = inc.topk(first, 1000)
+        exp = sorted((c for g, c in ref.items() if g[0] == first), reverse=True)
+        assert [c for _, c in got] == exp  # sorted by count, all present
+        assert {g for g, _ in got} == {g for g in ref if g[0] == first}
+        assert inc.topk(first, 3) == got[:3]
+
+
+def test_sync_indexes_only_new_tokens():
+    t = NGramTable(2)
+    assert t.sync([5, 6, 7]) == 3
+    assert t.sync([5, 6, 7]) == 0
+    assert t.sync([5, 6, 7, 5, 6]) == 2
+    assert len(t) == 5
+    assert t.count([5, 6]) == 2
+
+
+def test_cond_prob_and_best_next():
+    t = NGramTable(3)
+    t.extend([9, 1, 2, 3, 1, 2, 3, 1, 2, 4])
+    # context (1, 2) continues with 3 twice and 4 once
+    assert t.cond_prob([0, 1, 2], 3) == pytest.approx(2 / 3)
+    assert t.cond_prob([1, 2], 4) == pytest.approx(1 / 3)
+    assert t.cond_prob([1, 2], 5) == 0.0
+    assert t.cond_prob([2], 3) == 0.0  # context shorter than n-1
+    tok, f = t.best_next([7, 1, 2])
+    assert (tok, f) == (3, pytest.approx(2 / 3))
+    assert t.best_next([8, 8]) is None
+
+
+def test_invalid_order():
+    with pytest.raises(ValueError):
+        NGramTable(1)

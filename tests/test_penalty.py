@@ -1,0 +1,72 @@
+"""Unit tests of the windowed repetition penalty (Sec 3.4) and min_p."""
+
+import pytest
+import torch
+
+from vllm_tokenswift.penalty import apply_min_p, apply_penalties_windowed, window_from_params, window_tokens
+
+V = 10
+
+
+def orig_all(logits, prompt, presence, frequency, repetition, outputs):
+    from vllm.v1.sample.ops.penalties import apply_all_penalties
+
+    return apply_all_penalties(logits, prompt, presence, frequency, repetition, outputs)
+
+
+def test_window_tokens_spans_prompt_tail():
+    prompt = torch.tensor([1, 2, 3, 4, V, V])
+    assert window_tokens(prompt, [5, 6], 3, V) == [4, 5, 6]
+    assert window_tokens(prompt, [5, 6, 7, 8], 3, V) == [6, 7, 8]
+    assert window_tokens(prompt, [5, -1], 10, V) == [1, 2, 3, 4, 5]
+
+
+def test_window_from_params():
+    class P:
+        extra_args = {"repetition_penalty_window": 64}
+    assert window_from_params(P()) == 64
+    P.extra_args = None
+    assert window_from_params(P()) == 0
+    for bad in (0, -3, 2.5, "64", True):
+        P.extra_args = {"repetition_penalty_window": bad}
+        with pytest.raises(ValueError, match="positive integer"):
+            window_from_params(P())
+
+
+def test_windowed_penalty_exact_values():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 4.0, 0.5, 3.0, -1.0, 0.0, 1.5, 2.5]] * 2)
+    prompt = torch.tensor([[0, 1, V], [0, 1, V]])
+    outputs = [[2, 3], [2, 3]]
+    rep = torch.tensor([2.0, 2.0])
+    zero = torch.zeros(2)
+    got = apply_penalties_windowed(orig_all, logits.clone(), prompt, zero, zero, rep, outputs, [2, 0])
+    # row 0: window = last 2 tokens {2, 3} only; row 1: vLLM's global rule {0, 1, 2, 3}
+    exp0 = logits[0].clone()
+    exp0[2] /= 2
+    exp0[3] /= 2
+    exp1 = logits[1].clone()
+    exp1[0] /= 2
+    exp1[1] *= 2
+    exp1[2] /= 2
+    exp1[3] /= 2
+    assert torch.equal(got[0], exp0)
+    assert torch.equal(got[1], exp1)
+
+
+def test_no_window_is_vllm_unchanged():
+    torch.manual_seed(0)
+    logits = torch.randn(3, V)
+    prompt = torch.tensor([[0, 1, V], [2, V, V], [4, 5, 6]])
+    outputs = [[7], [8, 9], []]
+    pres, freq, rep = torch.tensor([0.1, 0.0, 0.2]), torch.tensor([0.0, 0.3, 0.0]), torch.tensor([1.2, 1.3, 1.0])
+    a = apply_penalties_windowed(orig_all, logits.clone(), prompt, pres, freq, rep, outputs, [0, 0, 0])
+    b = orig_all(logits.clone(), prompt, pres, freq, rep, outputs)
+    assert torch.equal(a, b)
+
+
+def test_min_p_filters_like_vllm():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]]))
+    out = apply_min_p(logits.clone(), torch.tensor([0.2, 0.0]))
+    # row 0 keeps p >= 0.2 * 0.5 = 0.1
+    assert torch.isinf(out[0, 3]) and not torch.isinf(out[0, :3]).any()
+    assert not torch.isinf(out[1]).any()

@@ -1,0 +1,40 @@
+"""Locations of the bundled demo model, heads and prompts, and ``vllm-tokenswift paths``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+DEMO_MODEL = ASSETS / "demo-model"
+DEMO_HEADS = ASSETS / "demo-heads"
+PROMPTS_DIR = ASSETS / "prompts"
+
+
+def bundled_prompts() -> list[Path]:
+    """Bundled prompt files (public-domain book openings), sorted by name."""
+    return sorted(PROMPTS_DIR.glob("*.txt"))
+
+
+def default_prompt() -> Path:
+    """The prompt the demo uses: the first ``*-2k.txt`` file, else the first prompt.
+
+    Raises:
+        FileNotFoundError: if the package ships no prompts.
+    """
+    files = bundled_prompts()
+    if not files:
+        raise FileNotFoundError(f"no bundled prompts in {PROMPTS_DIR}")
+    two_k = [f for f in files if f.name.endswith("-2k.txt")]
+    return (two_k or files)[0]
+
+
+def paths() -> dict:
+    """``{"model": ..., "heads": ..., "prompts": [...]}`` as absolute path strings."""
+    return {"model": str(DEMO_MODEL), "heads": str(DEMO_HEADS),
+            "prompts": [str(p) for p in bundled_prompts()]}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("paths", help="print the installed locations of the bundled model, heads and prompts (JSON)")
+    p.set_defaults(func=lambda args: print(json.dumps(paths(), indent=2)) or 0)
