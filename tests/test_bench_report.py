@@ -289,3 +289,35 @@ def test_bench_cli_parser():
     assert callable(args.func)
     bad = parser.parse_args(["bench", "--sampling", "nucleus"])
     assert bad.func(bad) == 2
+
+
+def test_plugin_stats_delta_without_reset(monkeypatch):
+    snaps = iter([
+        {"verified_drafts": 10, "accepted_ngram": 4, "time_draft_s": 1.0, "time_total_s": 4.0,
+         "num_speculative_tokens": 4, "ngram_acceptance": 0.1, "draft_time_share": 0.25},
+        {"verified_drafts": 30, "accepted_ngram": 20, "time_draft_s": 3.0, "time_total_s": 8.0,
+         "num_speculative_tokens": 4, "ngram_acceptance": 0.9, "draft_time_share": 0.9},
+    ])
+    fns = {"reset_engine_stats": lambda llm: False, "get_engine_stats": lambda llm: next(snaps)}
+    monkeypatch.setattr(harness, "_plugin_fn", lambda name: fns.get(name))
+    was_reset, before = harness.plugin_stats_before(object())
+    assert was_reset is False and before["verified_drafts"] == 10
+    res = harness.plugin_stats_after(object(), was_reset, before, k=4)
+    assert res["ngram_acceptance"] == pytest.approx(16 / (4 * 20))  # Eq. 6 over this run only
+    assert res["draft_time_share"] == pytest.approx(2.0 / 4.0)
+    assert res["time_draft_s"] == pytest.approx(2.0)
+    assert res["time_verify_s"] == pytest.approx(2.0)
+
+
+def test_plugin_stats_with_reset_and_absent(monkeypatch):
+    stats = {"verified_drafts": 5, "ngram_acceptance": 0.3, "draft_time_share": 0.4,
+             "time_draft_s": 0.5, "time_total_s": 1.25}
+    fns = {"reset_engine_stats": lambda llm: True, "get_engine_stats": lambda llm: dict(stats)}
+    monkeypatch.setattr(harness, "_plugin_fn", lambda name: fns.get(name))
+    was_reset, before = harness.plugin_stats_before(object())
+    res = harness.plugin_stats_after(object(), was_reset, before, k=4)
+    assert (res["ngram_acceptance"], res["draft_time_share"]) == (0.3, 0.4)
+    assert res["time_verify_s"] == pytest.approx(0.75)
+    monkeypatch.setattr(harness, "_plugin_fn", lambda name: None)
+    res = harness.plugin_stats_after(object(), False, None, k=4)
+    assert res["ngram_acceptance"] is None and res["time_draft_s"] is None

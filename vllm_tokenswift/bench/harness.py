@@ -63,13 +63,22 @@ NGRAM_CONFIGS: dict[str, dict[str, Any]] = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4,
               "prompt_lookup_min": 2, "prompt_lookup_max": 4},
     "ngram-best": {"method": "ngram", "num_speculative_tokens": 8,
-                   "prompt_lookup_min": 1, "prompt_lookup_max": 5},
+                   "prompt_lookup_min": 2, "prompt_lookup_max": 4},
 }
 
-NGRAM_SWEEP_NOTES = (
-    "ngram-best chosen from a sweep on the tiny random Llama (CPU, greedy, b=1, 256 tokens); "
-    "see the bench report of the harness author for the figures."
-)
+#: How ``ngram-best`` was chosen (tiny random Llama, 2 layers, hidden 128, vocab 512,
+#: fp32, 2-core CPU shared with other jobs, greedy, b=1, prefix 1024, 512 tokens,
+#: 3 repeats). Tried (k = num_speculative_tokens, lookup min..max): 4 2..4 (``ngram``),
+#: 8 1..5, 8 2..4, 4 1..3, 2 1..3, 6 3..5, plus suffix (cap 8).
+#: Mean accepted length per step on a model whose greedy output loops (distinct-4
+#: 0.08): 4.76, 6.77, **8.13**, 4.41, 2.82, 6.56, suffix 6.58; tokens/s medians 1103,
+#: 1207, **1447**, 725, 442, 1028, suffix 642 (AR 130, noisy). On a model whose
+#: output does not repeat (distinct-4 0.98): 1.22 (4 2..4), 1.22 (8 2..4), 1.13
+#: (8 1..5); min 1 proposes more wrong drafts, k=8 costs nothing extra when nothing
+#: matches. Timings on the shared box varied up to 2x between repeats (load
+#: average 5-7 on 2 cores), so the choice rests on accepted length: 8, 2..4.
+NGRAM_SWEEP_NOTES = ("ngram-best = num_speculative_tokens 8, prompt_lookup 2..4: the longest "
+                     "accepted length of the settings tried on the CPU box (see harness.py)")
 
 #: Suffix decoding (arctic-inference). ``num_speculative_tokens`` is its cap per step.
 #: ``suffix_decoding_max_cached_requests=0`` disables the global tree of *previous*
@@ -439,13 +448,16 @@ def plugin_stats_after(llm: Any, was_reset: bool, before: dict | None, k: int
 # ---------------------------------------------------------------------------
 
 def timed_run(llm: Any, prompts: list[list[int]], sp_kwargs: dict[str, Any], gen_len: int,
-              k: int | None) -> tuple[dict[str, Any], list[list[int]]]:
-    """One timed ``generate`` of ``prompts``; returns ``(record fields, output ids)``."""
+              k: int | None, plugin_stats: bool = False) -> tuple[dict[str, Any], list[list[int]]]:
+    """One timed ``generate`` of ``prompts``; returns ``(record fields, output ids)``.
+
+    ``plugin_stats``: also collect the TokenSwift plugin's counters (TokenSwift engines).
+    """
     from vllm import SamplingParams
     sp = SamplingParams(max_tokens=gen_len, ignore_eos=True, **sp_kwargs)
     inputs = [{"prompt_token_ids": p} for p in prompts]
     before = _spec_counters(llm)
-    was_reset, pbefore = plugin_stats_before(llm)
+    was_reset, pbefore = plugin_stats_before(llm) if plugin_stats else (False, None)
     t0 = time.perf_counter()
     outs = llm.generate(inputs, sp, use_tqdm=False)
     wall = time.perf_counter() - t0
@@ -464,7 +476,11 @@ def timed_run(llm: Any, prompts: list[list[int]], sp_kwargs: dict[str, Any], gen
     rec.update({kk: acc[kk] for kk in ("acceptance_rate", "mean_accepted_length", "num_drafts",
                                         "num_draft_tokens", "num_accepted_tokens",
                                         "draft_token_acceptance", "acceptance_per_pos")})
-    rec.update(plugin_stats_after(llm, was_reset, pbefore, k or 0))
+    if plugin_stats:
+        rec.update(plugin_stats_after(llm, was_reset, pbefore, k or 0))
+    else:
+        rec.update({"ngram_acceptance": None, "draft_time_share": None,
+                    "time_draft_s": None, "time_verify_s": None})
     rec.update(report.distinct_scores(ids))
     return rec, ids
 
@@ -494,7 +510,8 @@ def fill_identical_to_ar(records: list[dict], outputs: dict[tuple, list[list[int
     """Set ``identical_to_ar`` (greedy only) and ``ar_common_prefix_tokens`` in place.
 
     ``outputs`` maps ``(method, gen_len, batch_size, sampling, repeat)`` to output ids;
-    the reference is the first AR repeat of the same gen_len / batch size.
+    the reference is the first AR repeat of the same gen_len / batch size (so for
+    ``ar`` itself the field says whether its repeats are deterministic).
     """
     for r in records:
         r.setdefault("identical_to_ar", None)
@@ -565,6 +582,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True,
             logger.warning("%s unavailable: %s", method, why)
             continue
         k = (spec or {}).get("num_speculative_tokens")
+        is_ts = bool(spec) and spec.get("method") == "tokenswift"
         groups = ([settings] if cfg.engine_scope == "method" else [[st] for st in settings])
         for group in groups:
             mml = prefix + max(g for g, _, _ in group) + 64
@@ -594,7 +612,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True,
                     rec = _base_record(method, g, b, s, rep, prefix, cfg, spec)
                     rec["note"] = note
                     try:
-                        fields, ids = timed_run(llm, prompts_by_b[b], sp_kw, g, k)
+                        fields, ids = timed_run(llm, prompts_by_b[b], sp_kw, g, k,
+                                                plugin_stats=is_ts)
                     except Exception as e:
                         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
                         rec.update(status="error", note=f"{type(e).__name__}: {msg}"[:500])

@@ -431,7 +431,7 @@ def write_plots(records: list[dict], out_dir: str) -> list[str]:
         other = [max(0.0, r["wall_s"] - d - v) for r, d, v in zip(bars, draft, verify)]
         x = list(range(len(bars)))
         ax.bar(x, draft, label="draft (proposer)")
-        ax.bar(x, verify, bottom=draft, label="verification (target step)")
+        ax.bar(x, verify, bottom=draft, label="verification + rest of engine step")
         ax.bar(x, other, bottom=[d + v for d, v in zip(draft, verify)], label="other")
         ax.set_xticks(x)
         ax.set_xticklabels(labels, fontsize=6)
