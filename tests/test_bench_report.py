@@ -151,7 +151,8 @@ def test_markdown_rows():
 
 def test_write_report_files(tmp_path):
     recs = _records()
-    paths = report.write_report(recs, str(tmp_path), meta={"model": "toy"})
+    paths = report.write_report(recs, str(tmp_path), meta={"model": "toy"}, plots=False)
+    assert paths["plots"] == []
     with open(paths["csv"], newline="") as f:
         rows = list(csv.DictReader(f))
     assert list(rows[0].keys()) == report.RECORD_FIELDS
@@ -167,6 +168,11 @@ def test_write_report_files(tmp_path):
     assert len(data) == len(recs) and data[0]["method"] == "ar"
     md = (tmp_path / "summary.md").read_text()
     assert "| tokenswift | greedy | 1 | 1024 | 2 |" in md and "**model**: toy" in md
+
+
+def test_png_plots_written(tmp_path):
+    pytest.importorskip("matplotlib")  # optional: the [bench] extra
+    paths = report.write_report(_records(), str(tmp_path))
     assert len(paths["plots"]) == 3
     for p in paths["plots"]:
         with open(p, "rb") as f:
@@ -176,6 +182,7 @@ def test_write_report_files(tmp_path):
 
 
 def test_plots_without_speculative_runs(tmp_path):
+    pytest.importorskip("matplotlib")
     paths = report.write_plots([_rec("ar", 100.0)], str(tmp_path))
     assert all((tmp_path / p.split("/")[-1]).stat().st_size > 0 for p in paths)
 

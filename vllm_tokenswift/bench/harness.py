@@ -81,6 +81,25 @@ NGRAM_SWEEP_NOTES = ("ngram-best = num_speculative_tokens 8, prompt_lookup 2..4:
                      "accepted length of the settings tried on the CPU box (see harness.py)")
 
 #: Suffix decoding (arctic-inference). ``num_speculative_tokens`` is its cap per step.
+#: Suffix decoding needs ``arctic_inference`` (vLLM checks ``has_arctic_inference()``).
+#: PyPI has only an sdist (0.3.0); its plugin entry point is inert unless
+#: ``ARCTIC_INFERENCE_ENABLED`` is set, and only ``arctic_inference.suffix_decoding._C``
+#: (C++/nanobind, no CUDA) is compiled. Built on the CPU box without downloading a
+#: second torch::
+#:
+#:     python -m venv /tmp/arcbuild && /tmp/arcbuild/bin/pip install nanobind==2.9.2 \
+#:         grpcio-tools setuptools wheel
+#:     echo $PWD/.venv/lib/python3.11/site-packages > /tmp/arcbuild/lib/python3.11/site-packages/zz.pth
+#:     pip download --no-deps arctic-inference && tar xzf arctic_inference-0.3.0.tar.gz
+#:     cd arctic_inference-0.3.0 && CMAKE_ARGS="-DPython_EXECUTABLE=/tmp/arcbuild/bin/python" \
+#:         /tmp/arcbuild/bin/pip wheel --no-build-isolation --no-deps -w /tmp/arcwheel .
+#:     .venv/bin/pip install --no-deps /tmp/arcwheel/arctic_inference-0.3.0-*.whl
+#:
+#: (torch and vllm versions unchanged by it.)
+ARCTIC_INSTALL_NOTE = ("suffix decoding needs the arctic-inference package; PyPI ships an sdist "
+                       "that compiles a small C++ extension (see harness.py for a recipe that "
+                       "keeps the venv's torch)")
+
 #: ``suffix_decoding_max_cached_requests=0`` disables the global tree of *previous*
 #: responses: with it, a repeat (or the warm-up) of the same prompt under greedy
 #: decoding is speculated from the earlier identical output, which inflated the
@@ -211,8 +230,7 @@ def method_unavailable(method: str, spec: dict[str, Any] | None) -> str | None:
     """A reason why ``method`` cannot run in this environment, or ``None``."""
     if spec and spec.get("method") == "suffix":
         if importlib.util.find_spec("arctic_inference") is None:
-            return ("suffix decoding needs the arctic-inference package "
-                    "(pip install arctic-inference; vLLM 0.32 checks has_arctic_inference())")
+            return ARCTIC_INSTALL_NOTE
     if spec and spec.get("method") == "tokenswift":
         heads = spec.get("model")
         use_heads = (spec.get("tokenswift") or {}).get("use_heads", True)

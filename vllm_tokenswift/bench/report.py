@@ -454,7 +454,9 @@ def write_report(records: list[dict], out_dir: str, meta: dict | None = None,
                  plots: bool = True) -> dict[str, Any]:
     """Compute speedups and write results.json, results.csv, summary.md and the PNGs.
 
-    Returns a dict of the written paths (``json``, ``csv``, ``markdown``, ``plots``).
+    The PNGs need matplotlib (the ``[bench]`` extra); without it they are skipped
+    with a warning. Returns a dict of the written paths (``json``, ``csv``,
+    ``markdown``, ``plots``).
     """
     os.makedirs(out_dir, exist_ok=True)
     compute_speedups(records)
@@ -463,5 +465,11 @@ def write_report(records: list[dict], out_dir: str, meta: dict | None = None,
         "csv": write_csv(records, os.path.join(out_dir, "results.csv")),
         "markdown": write_markdown(records, os.path.join(out_dir, "summary.md"), meta),
     }
-    paths["plots"] = write_plots(records, out_dir) if plots else []
+    paths["plots"] = []
+    if plots:
+        try:
+            paths["plots"] = write_plots(records, out_dir)
+        except ImportError as e:  # matplotlib is an optional ([bench]) dependency
+            import warnings
+            warnings.warn(f"plots skipped: {e} (pip install matplotlib)")
     return paths
