@@ -50,6 +50,6 @@ def token_ids(outputs) -> list[list[int]]:
 def spec_metrics(llm) -> dict:
     out = {}
     for m in llm.get_metrics():
-        if m.name.startswith("vllm:spec_decode"):
+        if m.name.startswith("vllm:spec_decode") or m.name == "vllm:num_preemptions":
             out[m.name] = getattr(m, "value", None) if getattr(m, "value", None) is not None else getattr(m, "values", None)
     return out

@@ -4,8 +4,9 @@ Greedy: token-identical outputs for >= 2,048 new tokens per request, on a Llama-
 GQA model and a Qwen2-style model (qkv bias, tied embeddings, MHA), with prompts longer
 than the draft KV budget (so the view is re-selected several times), with and without
 the windowed repetition penalty, for a batch of 8 prompts of different lengths and
-max_tokens. vLLM defaults (prefix caching, chunked prefill) stay on; a second Llama
-engine pair uses a small max_num_batched_tokens so prefill is chunked for real.
+max_tokens. vLLM defaults (prefix caching, chunked prefill) stay on; a third engine pair
+uses a small max_num_batched_tokens (prefill is chunked for real) and a KV cache too small
+for the batch, so requests are preempted and resumed.
 """
 
 from __future__ import annotations
@@ -83,7 +84,9 @@ def chunked_runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("llama_chunked")
     model = build_tiny_model(d / "model", "llama", vocab_size=VOCAB, hidden_size=128, heads=4, kv_heads=2, seed=5)
     heads = build_random_heads(d / "heads", 128, seed=6)
-    return _run_pair(str(model), str(heads), tmp_extra={"max_num_batched_tokens": 256, "max_num_seqs": 8})
+    # ~12K tokens of KV for 8 requests of up to 3.3K tokens: preemption is certain
+    return _run_pair(str(model), str(heads), tmp_extra={"max_num_batched_tokens": 256, "max_num_seqs": 8,
+                                                        "kv_cache_memory_bytes": 12 * 2**20})
 
 
 def _check_identical(runs, mode):
@@ -117,12 +120,18 @@ def test_view_reselected_and_drafts_counted(request, runs_name):
     assert stats["views_budgeted"] > stats["views_full"]
     assert stats["key_layout"] is not None
     assert stats["skipped_no_slot"] == 0
-    assert stats["num_live_requests"] <= 1  # only the last probe request may still be live
+    assert stats["num_live_requests"] <= 1  # per-request state freed: only the probe may be live
     # vLLM's own spec-decode metrics count TokenSwift's drafts
     assert metrics["vllm:spec_decode_num_drafts"] == stats["verified_drafts"]
     assert metrics["vllm:spec_decode_num_accepted_tokens"] == stats["accepted_tokens"]
     assert stats["accepted_tokens"] == stats["accepted_heads"] + stats["accepted_ngram"]
     assert stats["accepted_tokens"] > 0
+
+
+def test_preemption_happened(chunked_runs):
+    base, out, stats, metrics = chunked_runs
+    assert metrics["vllm:num_preemptions"] > 0
+    assert stats["num_live_requests"] <= 1
 
 
 def test_window_changes_output(llama_runs):

