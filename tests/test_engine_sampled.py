@@ -79,7 +79,7 @@ def test_same_distribution(samples, kind):
 
 def test_drafts_were_both_accepted_and_rejected(samples):
     metrics = samples[2]
-    assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0.05 * metrics["vllm:spec_decode_num_draft_tokens"]
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] > 1000  # the accept path is exercised
     assert metrics["vllm:spec_decode_num_accepted_tokens"] < metrics["vllm:spec_decode_num_draft_tokens"]
 
 
