@@ -63,3 +63,15 @@ def test_extension_stops_below_min_conf():
     # would need a cumulative estimate 0.225 >= min_conf, so the chain is not extended
     assert ch.tokens == [1, 2]
     assert ch.expected_len == pytest.approx(0.9 + 0.9 * 0.25)
+
+
+def test_ngram_chain_for_adaptive_drafting():
+    from vllm_tokenswift.chain import ngram_chain
+
+    table = NGramTable(3)
+    table.extend([5, 6, 7, 8] * 5)  # after (7, 8) always 5, after (8, 5) always 6, ...
+    ch = ngram_chain([7, 8], table, max_len=4, min_conf=0.3)
+    assert ch.tokens == [5, 6, 7, 8]
+    assert ch.sources == [SOURCE_NGRAM] * 4
+    assert ch.expected_len == pytest.approx(4.0)
+    assert ngram_chain([1, 2], table, max_len=4, min_conf=0.3).tokens == []  # unseen context

@@ -172,25 +172,48 @@ def select_chain(context: list[int], tree_tokens: Sequence[Sequence[int]],
                 best_score, best_tokens, best_src_ng, best_back = s, cand, True, back
 
     sources = [SOURCE_NGRAM if best_src_ng else SOURCE_HEADS] * len(best_tokens)
+    chain = Chain(best_tokens, sources, best_score)
     if use_ng and len(best_tokens) < max_len:
         _, qs = score_chain(best_tokens, context, prob, tab, num_dists, mix, best_back)
         cum = 1.0
         for q in qs:
             cum *= q
-        ext_ctx = list(context[-(table.n - 1):]) + best_tokens
-        while len(best_tokens) < max_len:
-            nxt = table.best_next(ext_ctx)
-            if nxt is None:
-                break
-            tok, f = nxt
-            if len(best_tokens) < num_dists:
-                p = prob(len(best_tokens), tok)
-                f = f if p is None else mix * p + (1.0 - mix) * f
-            if cum * f < min_conf:
-                break
-            cum *= f
-            best_score += cum
-            best_tokens.append(tok)
-            sources.append(SOURCE_NGRAM)
-            ext_ctx.append(tok)
-    return Chain(best_tokens, sources, best_score)
+        extend_chain(chain, context, table, max_len, min_conf, cum, prob, num_dists, mix)
+    return chain
+
+
+def extend_chain(chain: Chain, context: list[int], table: NGramTable, max_len: int, min_conf: float,
+                 cum: float = 1.0, prob: Callable[[int, int], float | None] | None = None,
+                 num_dists: int = 0, mix: float = DEFAULT_MIX) -> Chain:
+    """Append the table's most frequent continuations to ``chain`` (in place) while the
+    cumulative acceptance estimate stays >= ``min_conf``, up to ``max_len`` tokens.
+
+    Args:
+        cum: the estimate ``Π q_i`` of the chain so far (1.0 for an empty chain).
+        prob: draft distributions for depths below ``num_dists`` (mixed in with λ).
+    """
+    ext_ctx = list(context[-(table.n - 1):]) + chain.tokens
+    while len(chain.tokens) < max_len:
+        nxt = table.best_next(ext_ctx)
+        if nxt is None:
+            break
+        tok, f = nxt
+        d = len(chain.tokens)
+        if prob is not None and d < num_dists:
+            p = prob(d, tok)
+            f = f if p is None else mix * p + (1.0 - mix) * f
+        if cum * f < min_conf:
+            break
+        cum *= f
+        chain.expected_len += cum
+        chain.tokens.append(tok)
+        chain.sources.append(SOURCE_NGRAM)
+        ext_ctx.append(tok)
+    return chain
+
+
+def ngram_chain(context: list[int], table: NGramTable, max_len: int, min_conf: float) -> Chain:
+    """Chain from the n-gram table alone (no draft forward): the most frequent
+    continuation of the last ``n-1`` tokens, repeatedly, while ``Π f_i >= min_conf``.
+    ``expected_len`` is ``Σ_j Π_{i<=j} f_i``."""
+    return extend_chain(Chain([], [], 0.0), context, table, max_len, min_conf)

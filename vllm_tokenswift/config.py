@@ -65,6 +65,12 @@ class TokenSwiftConfig(BaseModel):
         ngram_min_conf: Chains longer than ``num_heads + 1`` tokens are extended
             with n-gram continuations only while each extra token's estimated
             acceptance probability is at least this value.
+        skip_draft_conf: Adaptive drafting. When the n-gram table alone predicts a
+            chain whose expected accepted length is at least this fraction of
+            ``num_speculative_tokens``, the request skips the draft forward that step and
+            proposes that chain (lossless like any chain; saves a forward of the target
+            where the text repeats). ``1.01`` always runs the draft forward (the paper's
+            behaviour).
         heads: Path of the heads checkpoint (taken from the speculative config's
             ``"model"``); ``None`` only when ``use_heads`` is false.
         num_speculative_tokens: Longest chain proposed per step (from the
@@ -86,6 +92,7 @@ class TokenSwiftConfig(BaseModel):
     use_heads: bool = True
     draft_penalty: bool = True
     ngram_min_conf: float = Field(0.3, ge=0.0, le=1.0)
+    skip_draft_conf: float = Field(0.75, ge=0.0, le=1.01)
     heads: str | None = None
     num_speculative_tokens: int = Field(4, ge=1, le=64)
     num_heads: int = Field(DEFAULT_NUM_HEADS, ge=0, le=16)

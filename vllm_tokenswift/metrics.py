@@ -32,6 +32,7 @@ class TokenSwiftStats:
 
     draft_steps: int = 0            # propose calls that drafted for >= 1 request
     drafts: int = 0                 # (request, step) pairs that got a chain
+    drafts_skipped_forward: int = 0  # ... of which from the n-gram table alone (no draft forward)
     draft_tokens: int = 0           # tokens proposed
     draft_tokens_heads: int = 0     # ... from l_0 / the heads
     draft_tokens_ngram: int = 0     # ... from n-gram candidates

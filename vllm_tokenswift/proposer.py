@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from vllm_tokenswift.chain import Chain, select_chain
+from vllm_tokenswift.chain import Chain, ngram_chain, select_chain
 from vllm_tokenswift.config import ADDITIONAL_CONFIG_KEY, TokenSwiftConfig, TokenSwiftConfigError
 from vllm_tokenswift.kv_view import (KEY_READERS, RequestView, ViewPlanner, block_importance,
                                      detect_key_layout)
@@ -270,6 +270,15 @@ class TokenSwiftProposer:
             if p // bs >= nblk[i]:
                 self.stats.skipped_no_slot += 1
                 continue
+            if st.ngrams is not None and self.cfg.skip_draft_conf <= 1.0:
+                ng = ngram_chain(ib.token_ids_cpu[i, max(0, p + 2 - st.ngrams.n): p + 1].tolist(),
+                                 st.ngrams, min(room, self.num_spec_tokens), self.cfg.ngram_min_conf)
+                if ng.tokens and ng.expected_len >= self.cfg.skip_draft_conf * self.num_spec_tokens:
+                    out[i] = ng.tokens
+                    st.last_sources = ng.sources
+                    self.stats.record_chain(ng.sources)
+                    self.stats.drafts_skipped_forward += 1
+                    continue
             rows.append(i)
             states.append(st)
             positions.append(p)
