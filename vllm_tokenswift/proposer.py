@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from vllm_tokenswift.chain import Chain, ngram_chain, select_chain
+from vllm_tokenswift.chain import SOURCE_HEADS, Chain, extend_chain, ngram_chain, select_chain
 from vllm_tokenswift.config import ADDITIONAL_CONFIG_KEY, TokenSwiftConfig, TokenSwiftConfigError
 from vllm_tokenswift.kv_view import (KEY_READERS, RequestView, ViewPlanner, block_importance,
                                      detect_key_layout)
@@ -294,13 +294,15 @@ class TokenSwiftProposer:
             st.q_row, st.q_step = r, self._step
         self.stats.draft_steps += 1
 
-        chains = self._choose_chains(ib, rows, states, positions, logits)
+        chains, probs, q_depths = self._choose_chains(ib, rows, states, positions, logits)
         for i, st, p, ch in zip(rows, states, positions, chains):
             room = self.max_model_len - (p + 1) - 1
             toks = ch.tokens[: min(room, self.num_spec_tokens)]
             out[i] = toks
             st.last_sources = ch.sources[: len(toks)]
             self.stats.record_chain(st.last_sources)
+        if q_depths:
+            self._set_draft_probs(runner, out, rows, probs, q_depths)
         self.stats.time_draft_s += time.perf_counter() - t0
         self.stats.maybe_log(self.cfg.log_interval_s, self.num_spec_tokens)
         return out
@@ -451,8 +453,45 @@ class TokenSwiftProposer:
             logger.info("TokenSwift: KV cache key layout %s", self._key_layout)
 
     # ----------------------------------------------------------------- chains
-    def _choose_chains(self, ib, rows, states, positions, logits: torch.Tensor) -> list[Chain]:
-        """Penalise/filter the draft distributions, then pick a chain per request."""
+    def _set_draft_probs(self, runner, out, rows, probs: torch.Tensor, q_depths: dict) -> None:
+        """Give vLLM's rejection sampler the draft distributions q of sampled drafts.
+
+        Standard speculative sampling (accept with min(1, p/q), else resample from
+        (p - q)+) is lossless when each draft token was drawn from the q given here;
+        tokens chosen deterministically (n-gram candidates, greedy rows) get a
+        one-hot q, which is exactly vLLM's point-mass treatment.
+        Shape: ``[num_batch_rows, num_speculative_tokens, V]`` float32, rows in
+        ``input_batch.req_ids`` order (vLLM ``GPUModelRunner._draft_probs``).
+        """
+        n_rows = len(out)
+        k = self.num_spec_tokens
+        v = probs.shape[-1]
+        dp = torch.zeros((n_rows, k, v), dtype=torch.float32, device=probs.device)
+        for i, toks in enumerate(out):
+            for j, t in enumerate(toks):
+                dp[i, j, t] = 1.0
+        for r, depths in q_depths.items():
+            i = rows[r]
+            for j, d in enumerate(depths[: len(out[i])]):
+                if d is not None:
+                    dp[i, j] = probs[r, d]
+        runner._draft_probs = dp
+        runner._draft_prob_req_ids = list(runner.input_batch.req_ids[:n_rows])
+
+    def _choose_chains(self, ib, rows, states, positions, logits: torch.Tensor):
+        """Penalise/filter the draft distributions, then pick a chain per request.
+
+        Greedy requests: :func:`~vllm_tokenswift.chain.select_chain` (argmax tree paths
+        and n-grams). Randomly sampled requests: each depth's token is *sampled* from
+        its draft distribution q (so vLLM can verify with the true q and accept with
+        probability ``Σ min(p, q)`` instead of ``p(token)``), then the chain is
+        extended with confident n-gram continuations (point masses).
+
+        Returns:
+            ``(chains, probs [n, D, V], sampled)`` where ``sampled[r]`` lists, per chain
+            position of row r, the depth whose q the token was drawn from (None for a
+            point mass); rows absent from ``sampled`` are all point masses.
+        """
         cfg = self.cfg
         n, ndist, _ = logits.shape
         if cfg.draft_penalty:
@@ -480,7 +519,23 @@ class TokenSwiftProposer:
         gathered = probs.gather(2, torch.from_numpy(idx).to(probs.device).unsqueeze(1).expand(n, ndist, width))
         gathered = gathered.cpu().numpy()
         chains = []
+        sampled: dict[int, list[int | None]] = {}
+        random_rows = [r for r, st in enumerate(states) if st.temperature > 1e-5]
+        draws = None
+        if random_rows:
+            idx = torch.as_tensor(random_rows, dtype=torch.long, device=probs.device)
+            sub = probs[idx].reshape(len(random_rows) * ndist, -1)
+            draws = torch.multinomial(sub, 1).view(len(random_rows), ndist).cpu().tolist()
         for r, st in enumerate(states):
+            if draws is not None and r in random_rows:
+                depth = min(ndist, self.num_spec_tokens)
+                toks = draws[random_rows.index(r)][:depth]
+                ch = Chain(list(toks), [SOURCE_HEADS] * depth, float(depth))
+                if st.ngrams is not None and cfg.ngram_topk > 0:
+                    extend_chain(ch, contexts[r], st.ngrams, self.num_spec_tokens, cfg.ngram_min_conf)
+                sampled[r] = list(range(depth)) + [None] * (len(ch.tokens) - depth)
+                chains.append(ch)
+                continue
             lut = {tok: j for j, tok in enumerate(cand_tokens[r])}
             g = gathered[r]
 
@@ -491,7 +546,7 @@ class TokenSwiftProposer:
             tree_tokens = [top_i[r, d, : cfg.tree[d]].tolist() for d in range(ndist)]
             chains.append(select_chain(contexts[r], tree_tokens, prob, st.ngrams, cfg.ngram_topk,
                                        self.num_spec_tokens, cfg.ngram_min_conf))
-        return chains
+        return chains, probs, sampled
 
     def _apply_request_filters(self, ib, rows, states, positions, logits: torch.Tensor) -> torch.Tensor:
         """The request's repetition penalty (windowed or global), temperature and min_p on
