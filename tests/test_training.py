@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402  (a core dependency)
 
 from vllm_tokenswift.heads import DraftHeads, load_heads  # noqa: E402
 from vllm_tokenswift.training import cli as tcli  # noqa: E402
