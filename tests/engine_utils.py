@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import random
 
 ENGINE_KW = dict(
@@ -28,12 +27,9 @@ def make_llm(model: str, speculative_config: dict | None = None, **kw):
 
 
 def shutdown(llm) -> None:
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
-    del llm
-    gc.collect()
+    from vllm_tokenswift.bench.harness import teardown_engine
+
+    teardown_engine(llm)
 
 
 def random_prompts(lengths, vocab: int, seed: int = 0):

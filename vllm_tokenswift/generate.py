@@ -10,7 +10,6 @@ and, under greedy decoding, whether the two outputs are token-identical.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_tokenswift.assets_cli import DEMO_HEADS, DEMO_MODEL, default_prompt
+from vllm_tokenswift.bench.harness import teardown_engine
 
 
 def engine_kwargs(model: str, max_model_len: int, seed: int, kv_cache_gb: float | None) -> dict:
@@ -32,15 +32,6 @@ def engine_kwargs(model: str, max_model_len: int, seed: int, kv_cache_gb: float 
     else:
         kw.update(dtype="float32", kv_cache_memory_bytes=int((kv_cache_gb or 2.0) * 2**30))
     return kw
-
-
-def _shutdown(llm) -> None:
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
-    del llm
-    gc.collect()
 
 
 def _spec_counters(llm) -> dict:
@@ -123,7 +114,7 @@ def run_generate(args) -> dict:
         llm = LLM(**kw)
         run_one(llm, prompt_ids[:32], _short(params), "warm-up", progress=False)
         ar = run_one(llm, prompt_ids, params, "plain decoding")
-        _shutdown(llm)
+        teardown_engine(llm)
     ts_cfg = {"kv_budget": args.kv_budget, "sink_tokens": args.sink_tokens}
     if args.tokenswift_config:
         ts_cfg.update(json.loads(args.tokenswift_config))
@@ -133,7 +124,7 @@ def run_generate(args) -> dict:
     run_one(llm, prompt_ids[:32], _short(params), "warm-up", progress=False)
     ts = run_one(llm, prompt_ids, params, "TokenSwift")
     ts_stats = get_engine_stats(llm)
-    _shutdown(llm)
+    teardown_engine(llm)
     result.update({k: ts[k] for k in ("text", "num_tokens", "wall_s", "tokens_per_s", "acceptance_rate",
                                       "mean_accepted_length", "acceptance_per_pos")})
     result["tokenswift_stats"] = ts_stats
