@@ -466,15 +466,29 @@ class TokenSwiftProposer:
         n_rows = len(out)
         k = self.num_spec_tokens
         v = probs.shape[-1]
-        dp = torch.zeros((n_rows, k, v), dtype=torch.float32, device=probs.device)
+        dev = probs.device
+        dp = torch.zeros((n_rows, k, v), dtype=torch.float32, device=dev)
+        oi, oj, ot = [], [], []
         for i, toks in enumerate(out):
             for j, t in enumerate(toks):
-                dp[i, j, t] = 1.0
+                oi.append(i)
+                oj.append(j)
+                ot.append(t)
+        if oi:
+            dp[torch.as_tensor(oi, device=dev), torch.as_tensor(oj, device=dev),
+               torch.as_tensor(ot, device=dev)] = 1.0
+        qi, qj, qr, qd = [], [], [], []
         for r, depths in q_depths.items():
             i = rows[r]
             for j, d in enumerate(depths[: len(out[i])]):
                 if d is not None:
-                    dp[i, j] = probs[r, d]
+                    qi.append(i)
+                    qj.append(j)
+                    qr.append(r)
+                    qd.append(d)
+        if qi:
+            dp[torch.as_tensor(qi, device=dev), torch.as_tensor(qj, device=dev)] = \
+                probs[torch.as_tensor(qr, device=dev), torch.as_tensor(qd, device=dev)]
         runner._draft_probs = dp
         runner._draft_prob_req_ids = list(runner.input_batch.req_ids[:n_rows])
 
