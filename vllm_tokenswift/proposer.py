@@ -535,15 +535,16 @@ class TokenSwiftProposer:
         chains = []
         sampled: dict[int, list[int | None]] = {}
         random_rows = [r for r, st in enumerate(states) if st.temperature > 1e-5]
+        draw_of = {r: j for j, r in enumerate(random_rows)}
         draws = None
         if random_rows:
             idx = torch.as_tensor(random_rows, dtype=torch.long, device=probs.device)
             sub = probs[idx].reshape(len(random_rows) * ndist, -1)
             draws = torch.multinomial(sub, 1).view(len(random_rows), ndist).cpu().tolist()
         for r, st in enumerate(states):
-            if draws is not None and r in random_rows:
+            if r in draw_of:
                 depth = min(ndist, self.num_spec_tokens)
-                toks = draws[random_rows.index(r)][:depth]
+                toks = draws[draw_of[r]][:depth]
                 ch = Chain(list(toks), [SOURCE_HEADS] * depth, float(depth))
                 if st.ngrams is not None and cfg.ngram_topk > 0:
                     extend_chain(ch, contexts[r], st.ngrams, self.num_spec_tokens, cfg.ngram_min_conf)
