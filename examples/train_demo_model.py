@@ -14,9 +14,11 @@ What it builds (defaults = the shipped model in ``vllm_tokenswift/assets/demo-mo
   curriculum 512 -> 1024 -> 2048 -> 4096 (the last two during the LR cool-down) at a
   constant 4096 tokens per step.
 
-The saved ``config.json`` has ``max_position_embeddings = 16384`` (no ``rope_scaling``):
+The saved ``config.json`` has ``max_position_embeddings = 20480`` (no ``rope_scaling``):
 the model is trained on windows of at most 4096 tokens and RoPE is simply extrapolated
-beyond that, so that vLLM accepts ``max_model_len`` up to 16384 for long-generation demos.
+beyond that, so that vLLM accepts ``max_model_len`` up to 20480 for long-generation demos
+(4K prefix + 16K generated). The bundled model was trained with the earlier default 16384
+and its limit raised to 20480 afterwards (config files only; see its PROVENANCE.md).
 The end-of-run evaluation reports the validation loss per position bucket up to 16K.
 
 Everything is deterministic for a fixed ``--seed`` and ``--threads``: model init comes
@@ -93,7 +95,7 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--intermediate", type=int, default=1024)
-    p.add_argument("--max-position-embeddings", type=int, default=16384)
+    p.add_argument("--max-position-embeddings", type=int, default=20480)
     p.add_argument("--rope-theta", type=float, default=10000.0)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--ckpt-every", type=int, default=50)
