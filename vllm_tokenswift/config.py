@@ -145,6 +145,43 @@ class TokenSwiftConfig(BaseModel):
                 f"(sink blocks + one selected block + the newest token's block)"
             )
 
+    def check_model(self, *, hidden_size: int, max_model_len: int) -> None:
+        """Check the settings against the target model (run in the front end, at engine
+        start, before any worker exists; the workers check again when they load).
+
+        Args:
+            hidden_size: the target's hidden size (``hf_text_config.hidden_size``).
+            max_model_len: the engine's resolved ``max_model_len`` (tokens).
+
+        Raises:
+            TokenSwiftConfigError: ``kv_budget`` larger than ``max_model_len`` (the
+                budgeted view could never be smaller than the full KV cache), or a heads
+                checkpoint that is missing, malformed, trained for another hidden size,
+                or has fewer heads than ``num_heads``.
+        """
+        if self.draft_kv != "full" and self.kv_budget > max_model_len:
+            raise TokenSwiftConfigError(
+                f"tokenswift.kv_budget={self.kv_budget} is larger than max_model_len={max_model_len}: "
+                "the draft view would always be the whole KV cache. Lower kv_budget (e.g. "
+                f"{max(256, max_model_len // 4)}) or set draft_kv=\"full\" to draft over the full cache")
+        if not (self.use_heads and self.num_heads > 0):
+            return
+        from vllm_tokenswift.heads import HeadsLoadError, inspect_heads
+
+        try:
+            info = inspect_heads(self.heads)
+        except (HeadsLoadError, OSError, ValueError, KeyError) as e:
+            raise TokenSwiftConfigError(f"TokenSwift heads checkpoint (speculative \"model\"): {e}") from None
+        if info.hidden_size != hidden_size:
+            raise TokenSwiftConfigError(
+                f"TokenSwift heads in {self.heads!r} have hidden size {info.hidden_size}, the target "
+                f"model has {hidden_size}: the heads were trained for another model (train heads "
+                "for this one with `vllm-tokenswift train-heads`)")
+        if info.num_heads < self.num_heads:
+            raise TokenSwiftConfigError(
+                f"TokenSwift heads in {self.heads!r} hold {info.num_heads} heads but "
+                f"tokenswift.num_heads={self.num_heads}")
+
     @classmethod
     def from_speculative_dict(cls, spec: dict[str, Any]) -> "TokenSwiftConfig":
         """Build from a user's speculative-config dict (``method == "tokenswift"``).

@@ -121,11 +121,19 @@ def _patch_cpu_expand() -> None:
 
 
 # ---------------------------------------------------------------- 1-2. config translation + CLI
-def translate_speculative_config(engine_args) -> None:
+def translate_speculative_config(engine_args, model_config=None) -> None:
     """Rewrite a ``method="tokenswift"`` speculative config in ``engine_args`` in place.
 
+    Args:
+        engine_args: vLLM ``EngineArgs`` (modified in place).
+        model_config: the target's ``ModelConfig`` when known (``create_speculative_config``
+            passes it): then the settings are also checked against the model
+            (:meth:`TokenSwiftConfig.check_model`: heads present and fitting, budget
+            within ``max_model_len``), in the front end, before any worker starts.
+
     Raises:
-        TokenSwiftConfigError: invalid settings (names the field).
+        TokenSwiftConfigError: invalid settings (names the field), missing or mismatched
+            heads, a budget beyond ``max_model_len``.
         UnsupportedVLLMVersion: vLLM outside 0.32.x.
     """
     from vllm_tokenswift.compat import check_vllm_version
@@ -153,6 +161,9 @@ def translate_speculative_config(engine_args) -> None:
         raise TokenSwiftConfigError(
             "TokenSwift does not support pipeline_parallel_size > 1: the drafter runs the "
             "target's own forward, which only the last pipeline stage could run")
+    if model_config is not None:
+        cfg.check_model(hidden_size=int(model_config.hf_text_config.hidden_size),
+                        max_model_len=int(model_config.max_model_len))
     new = {k: v for k, v in sc.items() if k not in ("tokenswift", "model", "method")}
     new.update(method="custom_class", model=PROPOSER_CLASS_PATH,
                num_speculative_tokens=cfg.num_speculative_tokens)
@@ -169,7 +180,7 @@ def _patch_engine_args() -> None:
     orig_create = EngineArgs.create_speculative_config
 
     def create_speculative_config(self, target_model_config, target_parallel_config):
-        translate_speculative_config(self)
+        translate_speculative_config(self, target_model_config)
         return orig_create(self, target_model_config, target_parallel_config)
 
     EngineArgs.create_speculative_config = create_speculative_config
