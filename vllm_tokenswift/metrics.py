@@ -131,7 +131,16 @@ def worker_stats(worker) -> dict | None:
     runner = getattr(worker, "model_runner", None)
     drafter = getattr(runner, "drafter", None)
     fn = getattr(drafter, "tokenswift_stats", None)
-    return fn() if fn is not None else None
+    if fn is None:
+        return None
+    d = fn()
+    # per-request proposer state vLLM's runner no longer knows of (must stay 0: state of
+    # finished, aborted and preempted requests is freed)
+    known = getattr(runner, "requests", None)
+    states = getattr(drafter, "states", None)
+    if known is not None and states is not None:
+        d["num_stale_states"] = sum(1 for rid in states if rid not in known)
+    return d
 
 
 def worker_reset(worker) -> bool:
