@@ -36,5 +36,20 @@ def paths() -> dict:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("paths", help="print the installed locations of the bundled model, heads and prompts (JSON)")
-    p.set_defaults(func=lambda args: print(json.dumps(paths(), indent=2)) or 0)
+    p = sub.add_parser("paths", help="print the installed locations of the bundled model, heads and prompts "
+                                     "(JSON, or one bare path with --model/--heads for shell use)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--model", action="store_true", help="print only the demo model folder")
+    g.add_argument("--heads", action="store_true", help="print only the demo heads folder")
+    p.set_defaults(func=_print_paths)
+
+
+def _print_paths(args) -> int:
+    d = paths()
+    if getattr(args, "model", False):
+        print(d["model"])
+    elif getattr(args, "heads", False):
+        print(d["heads"])
+    else:
+        print(json.dumps(d, indent=2))
+    return 0
