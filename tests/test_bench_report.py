@@ -328,3 +328,33 @@ def test_plugin_stats_with_reset_and_absent(monkeypatch):
     monkeypatch.setattr(harness, "_plugin_fn", lambda name: None)
     res = harness.plugin_stats_after(object(), False, None, k=4)
     assert res["ngram_acceptance"] is None and res["time_draft_s"] is None
+
+
+def test_bench_report_merges_runs_keeping_each_runs_baseline(tmp_path):
+    import argparse
+
+    from vllm_tokenswift.bench.cli import run_report_cli
+
+    a = [_rec("ar", 100.0, gen=2048), _rec("tokenswift", 150.0, gen=2048)]
+    # a second invocation at another length, with a slower machine state: its own AR
+    b = [_rec("ar", 50.0, gen=16384, rep=r) for r in (0, 1)] + \
+        [_rec("tokenswift", 80.0, gen=16384, rep=0), _rec("tokenswift", 90.0, gen=16384, rep=1)]
+    for name, recs in (("a", a), ("b", b)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(recs))
+    out = tmp_path / "merged"
+    args = argparse.Namespace(results=[str(tmp_path / "a"), str(tmp_path / "b" / "results.json")],
+                              out=str(out), title_note=None, no_plots=True)
+    assert run_report_cli(args) == 0
+    merged = json.loads((out / "results.json").read_text())
+    assert len(merged) == 6
+    sp = {(r["method"], r["gen_len"], r["repeat"]): r["speedup_vs_ar"] for r in merged}
+    assert sp[("tokenswift", 2048, 0)] == pytest.approx(1.5)
+    assert sp[("tokenswift", 16384, 0)] == pytest.approx(1.6)
+    assert sp[("tokenswift", 16384, 1)] == pytest.approx(1.8)
+    assert {r["source"] for r in merged} == {"a", "b"}
+    md = (out / "summary.md").read_text()
+    assert "| tokenswift | greedy | 1 | 16384 | 2 |" in md
+    # overlapping inputs are refused
+    args.results = [str(tmp_path / "a"), str(tmp_path / "a")]
+    assert run_report_cli(args) == 2

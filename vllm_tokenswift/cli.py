@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "train-heads": "vllm_tokenswift.training.cli",
     "eval-heads": "vllm_tokenswift.training.cli",
     "bench": "vllm_tokenswift.bench.cli",
+    "bench-report": "vllm_tokenswift.bench.cli",
     "project": "vllm_tokenswift.bench.roofline",
 }
 

@@ -93,7 +93,56 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run_cli)
+    r = subparsers.add_parser(
+        "bench-report", help="merge results.json files of several bench runs into one report",
+        description="Concatenate the records of several `vllm-tokenswift bench` runs (each with "
+                    "its own AR baseline) and write one results.json/csv, summary.md and the PNGs.")
+    r.add_argument("results", nargs="+", help="results.json files (or folders holding one)")
+    r.add_argument("--out", required=True, help="output folder")
+    r.add_argument("--title-note", default=None, help="extra line for summary.md's header")
+    r.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
+    r.set_defaults(func=run_report_cli)
     return p
+
+
+def run_report_cli(args: argparse.Namespace) -> int:
+    """Entry point of ``vllm-tokenswift bench-report``; 0 on success, 2 on unreadable input.
+
+    Speedups are recomputed inside each source file only (a run is compared with the AR
+    run of the same invocation, never with another invocation's AR)."""
+    from vllm_tokenswift.bench import report
+
+    records: list[dict] = []
+    sources = []
+    for i, path in enumerate(args.results):
+        f = os.path.join(path, "results.json") if os.path.isdir(path) else path
+        try:
+            with open(f, encoding="utf-8") as fh:
+                recs = json.load(fh)
+        except (OSError, json.JSONDecodeError) as e:
+            print(f"error: cannot read {f}: {e}", file=sys.stderr)
+            return 2
+        if not isinstance(recs, list):
+            print(f"error: {f} is not a list of records", file=sys.stderr)
+            return 2
+        report.compute_speedups(recs)  # within this invocation
+        for rec in recs:
+            rec.setdefault("source", os.path.basename(os.path.dirname(os.path.abspath(f))))
+        records.extend(recs)
+        sources.append(f)
+    keys = [(r.get("method"), r.get("gen_len"), r.get("batch_size"), r.get("sampling"), r.get("repeat"))
+            for r in records]
+    if len(set(keys)) != len(keys):
+        print("error: the inputs overlap (same method/gen_len/batch/sampling/repeat twice)", file=sys.stderr)
+        return 2
+    meta = {"sources": ", ".join(sources)}
+    if args.title_note:
+        meta["note"] = args.title_note
+    paths = report.write_report(records, args.out, meta=meta, plots=not args.no_plots, recompute=False)
+    print(report.markdown_table(report.summarize(records)))
+    print(f"\nwrote {paths['json']}, {paths['csv']}, {paths['markdown']}"
+          + (f" and {len(paths['plots'])} plots" if paths["plots"] else ""))
+    return 0
 
 
 def config_from_args(args: argparse.Namespace):

@@ -451,15 +451,17 @@ def write_plots(records: list[dict], out_dir: str) -> list[str]:
 
 
 def write_report(records: list[dict], out_dir: str, meta: dict | None = None,
-                 plots: bool = True) -> dict[str, Any]:
+                 plots: bool = True, recompute: bool = True) -> dict[str, Any]:
     """Compute speedups and write results.json, results.csv, summary.md and the PNGs.
 
     The PNGs need matplotlib (the ``[bench]`` extra); without it they are skipped
     with a warning. Returns a dict of the written paths (``json``, ``csv``,
-    ``markdown``, ``plots``).
+    ``markdown``, ``plots``). ``recompute=False`` keeps the records' own
+    ``speedup_vs_ar`` (merged reports: each was computed within its own invocation).
     """
     os.makedirs(out_dir, exist_ok=True)
-    compute_speedups(records)
+    if recompute:
+        compute_speedups(records)
     paths: dict[str, Any] = {
         "json": write_json(records, os.path.join(out_dir, "results.json")),
         "csv": write_csv(records, os.path.join(out_dir, "results.csv")),
