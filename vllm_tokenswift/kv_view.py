@@ -205,6 +205,59 @@ def block_importance(q: torch.Tensor, keys: torch.Tensor, num_valid_tokens: int 
     return probs.view(hkv, nb, bs).sum(dim=(0, 2))
 
 
+def sum_over_ranks(importances: list[list[np.ndarray] | None],
+                   all_gather) -> list[list[np.ndarray] | None]:
+    """Sum block importances over tensor-parallel ranks, so every rank selects the same view.
+
+    Under tensor parallelism each rank holds only its own query and KV heads, so
+    :func:`block_importance` on one rank covers its heads only and ranks would rank
+    blocks differently. Summing the per-rank scores gives the importance over all
+    heads: :func:`block_importance` is a sum over KV heads, so the sum over ranks
+    equals the single-process score (up to float rounding) whenever each KV head
+    lives on one rank.
+
+    Every rank gathers all ranks' scores (one collective for the whole batch) and
+    adds them in rank order itself, so the sums are bitwise identical on all ranks
+    whatever the all-reduce's arithmetic; ties and near-ties break the same way.
+
+    Args:
+        importances: per request, per group float arrays (as returned to
+            :meth:`ViewPlanner.select`), or None (recency fallback). Every rank must
+            pass the same structure and array sizes (they depend on positions only).
+        all_gather: ``f(t: Tensor[n]) -> Tensor[world, n]`` over the TP group, or None
+            (single rank: returned unchanged).
+    Returns:
+        the same structure with summed float64 scores.
+    Raises:
+        ValueError: the gather did not return ``[world, n]``.
+    """
+    flat = [a for imp in importances if imp is not None for a in imp]
+    total = sum(int(a.shape[0]) for a in flat)
+    if all_gather is None or total == 0:
+        return importances
+    local = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.float32) for a in flat]))
+    gathered = all_gather(local)
+    if gathered.dim() != 2 or gathered.shape[1] != total:
+        raise ValueError(f"all_gather returned shape {tuple(gathered.shape)}, expected [world, {total}]")
+    g = gathered.detach().to("cpu", torch.float64).numpy()
+    summed = g[0].copy()
+    for r in range(1, g.shape[0]):  # fixed order: identical bits on every rank
+        summed += g[r]
+    out: list[list[np.ndarray] | None] = []
+    off = 0
+    for imp in importances:
+        if imp is None:
+            out.append(None)
+            continue
+        parts = []
+        for a in imp:
+            n = int(a.shape[0])
+            parts.append(summed[off: off + n])
+            off += n
+        out.append(parts)
+    return out
+
+
 # --------------------------------------------------------------------------- KV layouts
 def keys_cpu_vec(kv: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """Keys from vLLM's CPU attention cache (``vec`` ISA layout).

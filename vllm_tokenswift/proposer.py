@@ -39,7 +39,7 @@ import torch
 from vllm_tokenswift.chain import SOURCE_HEADS, Chain, extend_chain, ngram_chain, select_chain
 from vllm_tokenswift.config import ADDITIONAL_CONFIG_KEY, TokenSwiftConfig, TokenSwiftConfigError
 from vllm_tokenswift.kv_view import (KEY_READERS, RequestView, ViewPlanner, block_importance,
-                                     detect_key_layout)
+                                     detect_key_layout, sum_over_ranks)
 from vllm_tokenswift.metrics import TokenSwiftStats
 from vllm_tokenswift.ngram import NGramTable
 from vllm_tokenswift.penalty import window_from_params
@@ -101,6 +101,8 @@ class TokenSwiftProposer:
             raise TokenSwiftConfigError(
                 "TokenSwift supports full-attention decoder models only (this model uses "
                 "sliding-window or hybrid attention layers)")
+        # tensor parallelism: every TP rank runs this proposer on its own heads' Q/KV
+        self.tp_size = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
         self.block_size = int(vllm_config.cache_config.block_size)
         self.cfg.check_block_size(self.block_size)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
@@ -151,6 +153,13 @@ class TokenSwiftProposer:
             self.heads = load_heads(self.cfg.heads, hidden_size=hidden, num_heads=self.cfg.num_heads,
                                     eps=eps, dtype=dtype, device=device)
             logger.info("TokenSwift: loaded %d draft heads from %s", self.heads.num_heads, self.cfg.heads)
+        if self.tp_size > 1:
+            lp = getattr(target_model, "logits_processor", None)
+            if lp is not None and not getattr(lp, "use_all_gather", True):
+                # every rank needs the draft logits (identical chains, q and RNG draws)
+                raise TokenSwiftConfigError(
+                    "TokenSwift with tensor_parallel_size > 1 needs the logits gathered on every "
+                    "rank (Platform.use_all_gather()); this platform gathers them on rank 0 only")
         self._hooks.append(norm.register_forward_hook(self._norm_hook))
         from vllm.model_executor.layers.attention.attention import Attention
 
@@ -286,7 +295,7 @@ class TokenSwiftProposer:
             self.stats.time_draft_s += time.perf_counter() - t0
             return out
 
-        plans = [self._plan(runner, i, st, p) for i, st, p in zip(rows, states, positions)]
+        plans = self._plan_views(runner, rows, states, positions)
         t1 = time.perf_counter()
         logits = self._draft_forward(runner, rows, positions, plans, ib, bt_np)
         self.stats.time_draft_forward_s += time.perf_counter() - t1
@@ -308,21 +317,35 @@ class TokenSwiftProposer:
         return out
 
     # ----------------------------------------------------------------- views
-    def _plan(self, runner, row: int, st: _RequestState, p: int):
+    def _plan_views(self, runner, rows, states, positions) -> list:
+        """Plan every drafting request's view, (re-)selecting those that need it.
+
+        Under tensor parallelism the importances of all re-selected requests are summed
+        over the TP ranks in one collective before the top-k (:func:`sum_over_ranks`),
+        so all ranks select the same blocks, the ones single-rank TokenSwift would
+        select. Whether a request re-selects depends only on positions and step
+        counters, identical on all ranks, so every rank reaches the collective (none
+        when nothing re-selects, and none at all with one rank).
+        """
         planner = self._planner
-        plan = planner.plan(st.view, p)
-        if plan.needs_selection:
-            have_q = st.q_step == self._step - 1 and st.q_row >= 0 and self._q
-            if have_q:
-                imp = self._importance(runner, row, st, p)
-                planner.select(st.view, p, imp)
-                self.stats.view_selections += 1
-                plan = planner.plan(st.view, p)
-        if plan.full:
-            self.stats.views_full += 1
-        else:
-            self.stats.views_budgeted += 1
-        return plan
+        plans = [planner.plan(st.view, p) for st, p in zip(states, positions)]
+        todo, imps = [], []
+        for r, (i, st, p, plan) in enumerate(zip(rows, states, positions, plans)):
+            if plan.needs_selection and st.q_step == self._step - 1 and st.q_row >= 0 and self._q:
+                todo.append(r)
+                imps.append(self._importance(runner, i, st, p))
+        if todo and self.tp_size > 1:
+            imps = sum_over_ranks(imps, _tp_all_gather)
+        for r, imp in zip(todo, imps):
+            planner.select(states[r].view, positions[r], imp)
+            self.stats.view_selections += 1
+            plans[r] = planner.plan(states[r].view, positions[r])
+        for plan in plans:
+            if plan.full:
+                self.stats.views_full += 1
+            else:
+                self.stats.views_budgeted += 1
+        return plans
 
     def _importance(self, runner, row: int, st: _RequestState, p: int) -> list[np.ndarray] | None:
         """Per group, block importance of blocks ``sink..last-1`` for this request."""
@@ -419,17 +442,39 @@ class TokenSwiftProposer:
         if self.heads is not None and self._prenorm is not None:
             outs = self.heads(self._prenorm[:n].to(h.dtype))
             logits = self.target.compute_logits(torch.cat([h] + outs, dim=0))
+            if logits is None:
+                raise RuntimeError("TokenSwift: compute_logits returned no logits on this rank")
             logits = logits.view(1 + len(outs), n, -1).transpose(0, 1)
         else:
-            logits = self.target.compute_logits(h).unsqueeze(1)
+            logits = self.target.compute_logits(h)
+            if logits is None:
+                raise RuntimeError("TokenSwift: compute_logits returned no logits on this rank")
+            logits = logits.unsqueeze(1)
         return logits[..., : self.vocab_size].float()
 
     def _detect_layout(self, slot: int) -> None:
+        """Find the KV cache key layout from the key the first draft forward wrote.
+
+        With tensor parallelism the ranks agree (one collective, on the first draft
+        forward, which all ranks run): if any rank cannot read its keys, all fall back
+        to recency, so no rank skips the importance collective the others enter."""
         self._layout_checked = True
+        layout = self._find_layout(slot)
+        if self.tp_size > 1:
+            ok = _tp_all_gather(torch.tensor([1.0 if layout is not None else 0.0]))
+            if layout is not None and bool((ok < 0.5).any()):
+                logger.warning("TokenSwift: another tensor-parallel rank could not read its KV keys; "
+                               "view selection falls back to recency on all ranks")
+                layout = None
+        self._key_layout = layout
+        if layout is not None:
+            logger.info("TokenSwift: KV cache key layout %s", layout)
+
+    def _find_layout(self, slot: int) -> str | None:
         key = self._probe_key
         if key is None:
             logger.warning("TokenSwift: could not capture a key; view selection falls back to recency")
-            return
+            return None
         ctx = self.vllm_config.compilation_config.static_forward_context
         kv = ctx[self._layer_names[0]].kv_cache
         if isinstance(kv, (list, tuple)):
@@ -444,13 +489,12 @@ class TokenSwiftProposer:
         if d is None:
             logger.warning("TokenSwift: unknown KV cache shape %s; view selection uses recency",
                            tuple(kv.shape))
-            return
-        self._key_layout = detect_key_layout(kv, slot, self.block_size, k.reshape(hkv, d))
-        if self._key_layout is None:
+            return None
+        layout = detect_key_layout(kv, slot, self.block_size, k.reshape(hkv, d))
+        if layout is None:
             logger.warning("TokenSwift: KV cache layout not recognised (shape %s); view selection "
                            "falls back to recency", tuple(kv.shape))
-        else:
-            logger.info("TokenSwift: KV cache key layout %s", self._key_layout)
+        return layout
 
     # ----------------------------------------------------------------- chains
     def _set_draft_probs(self, runner, out, rows, probs: torch.Tensor, q_depths: dict) -> None:
@@ -599,6 +643,17 @@ class TokenSwiftProposer:
                                  device=logits.device).repeat_interleave(ndist)
             logits[idx] = apply_min_p(sub, mp).view(len(mp_rows), ndist, v)
         return logits
+
+
+def _tp_all_gather(t: torch.Tensor) -> torch.Tensor:
+    """Gather a 1-D tensor from every tensor-parallel rank: ``[world, n]`` on the CPU,
+    rows in rank order (vLLM's TP group, on the device its communicator uses)."""
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group()
+    dev = getattr(group, "device", None) or t.device
+    out = group.all_gather(t.to(dev).contiguous(), dim=0)
+    return out.view(group.world_size, -1).cpu()
 
 
 def _kernel_blocks(group, cm):

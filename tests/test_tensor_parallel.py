@@ -1,0 +1,330 @@
+"""Tensor parallelism: every TP rank selects the same draft KV view, and TP=2 stays lossless.
+
+Under tensor parallelism each rank's attention pre-hook captures only its own query
+heads and its KV cache holds only its own KV heads, so block importance computed on
+one rank ranks blocks by that rank's heads. The proposer sums the importances over
+the TP group before the top-k (``kv_view.sum_over_ranks`` via the proposer's
+``_tp_all_gather`` on vLLM's TP group), so all ranks draft over the same blocks,
+the ones single-rank TokenSwift selects.
+
+1. ``test_view_selection_is_rank_consistent`` (fast, always runs): two processes form
+   a world-2 vLLM TP group (gloo + vLLM's CPU communicator). Each holds different
+   local query/KV heads of the same requests (vLLM's contiguous head sharding) and
+   runs the proposer's own ``_plan_views`` -> ``_importance`` -> ``sum_over_ranks`` ->
+   ``ViewPlanner.select`` path. Both ranks must select exactly the block ids that a
+   single process with all heads selects; a control shows that per-rank importance
+   alone would select different blocks (so the test can fail). It also checks that
+   the KV key layout detection agrees across ranks (one rank failing -> all fall back).
+2. ``test_engine_tp2_lossless`` (engine, about 3 min with both ranks on one CPU core): the bundled demo
+   model with ``tensor_parallel_size=2``, TokenSwift vs plain decoding at TP=2, greedy,
+   token-identical, drafts accepted, views re-selected; then a sampled run (temperature
+   1, min_p, windowed penalty) on the same engine; both ranks' TokenSwift counters must
+   be identical (same skip/draft decisions, chains, random draws, selections and
+   acceptances on each rank).
+
+CPU pinning: vLLM binds each TP rank's OpenMP threads with ``VLLM_CPU_OMP_THREADS_BIND``
+(one entry per rank, separated by ``|``); ``"1|1"`` puts both ranks on core 1. When the
+variable is unset, the engine test binds both ranks to the first CPU this process may
+use (vLLM's "auto" binding wants one NUMA node per rank).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import traceback
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+# ---------------------------------------------------------------- rank consistency (isolated)
+WORLD = 2
+HQ, HKV, D, BS = 8, 4, 32, 16          # 8 query heads over 4 KV heads (GQA 2), head_dim 32
+LAYERS = 3
+NUM_BLOCKS = 128
+BUDGET, SINK = 128, 16                  # 8 blocks: 1 sink + 6 selected + the newest block
+POSITIONS = [700, 1000]                 # newest token of each request (> budget: must select)
+LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+
+
+def _case():
+    """Full-head queries and KV caches (``split_last`` layout ``[blocks, H_kv, bs, 2D]``)
+    where rank 0's KV heads (0, 1) favour one set of blocks and rank 1's (2, 3) another,
+    so per-rank importance disagrees and the all-head ranking mixes both sets."""
+    g = torch.Generator().manual_seed(1234)
+    n = len(POSITIONS)
+    perm = torch.randperm(NUM_BLOCKS, generator=g).numpy()
+    bt = np.zeros((n, 80), dtype=np.int32)
+    off = 0
+    for r, p in enumerate(POSITIONS):
+        nb = p // BS + 1
+        bt[r, :nb] = perm[off: off + nb]
+        off += nb
+    q = {}
+    kv = {}
+    for li, name in enumerate(LAYER_NAMES):
+        qf = torch.randn(n, HQ, D, generator=g)
+        cache = torch.randn(NUM_BLOCKS, HKV, BS, 2 * D, generator=g) * 0.5
+        for r, p in enumerate(POSITIONS):
+            last = p // BS
+            mids = torch.randperm(last - 1, generator=g)[:12].numpy() + 1  # logical blocks 1..last-1
+            for h in range(HKV):
+                favoured = mids[:6] if h < HKV // 2 else mids[6:]
+                qg = qf[r, 2 * h: 2 * h + 2].sum(0)
+                qg = qg / qg.norm()
+                for b in favoured:
+                    strength = 1.0 + torch.rand(1, generator=g).item() * 2.0
+                    cache[int(bt[r, b]), h, :, :D] += strength * qg
+        q[name] = qf.reshape(n, HQ * D)
+        kv[name] = cache
+    return bt, q, kv
+
+
+def _fake_proposer(bt, q, kv, rank: int | None, tp_size: int):
+    """A TokenSwiftProposer with just what ``_plan_views`` reads; ``rank=None``: all heads."""
+    from vllm_tokenswift.kv_view import ViewPlanner
+    from vllm_tokenswift.metrics import TokenSwiftStats
+    from vllm_tokenswift.proposer import TokenSwiftProposer, _RequestState
+
+    n = len(POSITIONS)
+    hq = HQ // WORLD if rank is not None else HQ
+    hkv = HKV // WORLD if rank is not None else HKV
+    ctx = {}
+    local_q = {}
+    for name in LAYER_NAMES:
+        qf = q[name].view(n, HQ, D)
+        cache = kv[name]
+        if rank is not None:  # vLLM shards heads contiguously: rank r owns heads [r*h, (r+1)*h)
+            qf = qf[:, rank * hq:(rank + 1) * hq]
+            cache = cache[:, rank * hkv:(rank + 1) * hkv]
+        local_q[name] = qf.reshape(n, hq * D).contiguous()
+        ctx[name] = SimpleNamespace(kv_cache=cache.contiguous())
+    prop = TokenSwiftProposer.__new__(TokenSwiftProposer)
+    prop.vllm_config = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=ctx))
+    prop.block_size = BS
+    prop.tp_size = tp_size
+    prop._planner = ViewPlanner(BUDGET, SINK, BS, "dynamic", LAYERS)
+    prop._layer_names = list(LAYER_NAMES)
+    prop._key_layout = "split_last"
+    prop._layout_checked = True
+    prop._probe_key = None
+    prop._step = 2
+    prop._q = local_q
+    prop.stats = TokenSwiftStats()
+    states = []
+    for r in range(n):
+        st = _RequestState(ngrams=None)
+        st.q_row, st.q_step = r, 1  # queries captured by the previous draft forward
+        states.append(st)
+    runner = SimpleNamespace(input_batch=SimpleNamespace(
+        block_table=[SimpleNamespace(block_table=SimpleNamespace(np=bt))]))
+    return prop, runner, states
+
+
+def _select(bt, q, kv, rank: int | None, tp_size: int):
+    """Run the proposer's view planning; returns per request, per layer, the view's logical blocks."""
+    prop, runner, states = _fake_proposer(bt, q, kv, rank, tp_size)
+    plans = prop._plan_views(runner, list(range(len(POSITIONS))), states, list(POSITIONS))
+    assert prop.stats.view_selections == len(POSITIONS)
+    assert all(not pl.full and len(pl.blocks) == LAYERS for pl in plans)
+    return [[b.tolist() for b in pl.blocks] for pl in plans]
+
+
+def _importances(bt, q, kv, rank: int | None):
+    prop, runner, states = _fake_proposer(bt, q, kv, rank, 1)
+    return [[a.tolist() for a in prop._importance(runner, r, st, p)]
+            for r, (st, p) in enumerate(zip(states, POSITIONS))]
+
+
+def _rank_main(rank: int, init_file: str, ident: str, out_dir: str) -> None:
+    res: dict = {"rank": rank}
+    try:
+        os.environ["VLLM_DIST_IDENT"] = ident  # names vLLM's CPU shared-memory group
+        from vllm.config import VllmConfig, set_current_vllm_config
+        from vllm.distributed import (get_tp_group, init_distributed_environment,
+                                      initialize_model_parallel)
+
+        from vllm_tokenswift.kv_view import sum_over_ranks
+        from vllm_tokenswift.proposer import _tp_all_gather
+
+        with set_current_vllm_config(VllmConfig()):
+            init_distributed_environment(world_size=WORLD, rank=rank, local_rank=rank,
+                                         distributed_init_method=f"file://{init_file}", backend="gloo")
+            initialize_model_parallel(tensor_model_parallel_size=WORLD)
+        assert get_tp_group().world_size == WORLD
+        bt, q, kv = _case()
+        # the path under test: per-rank importance summed over the TP group, then top-k
+        res["selected"] = _select(bt, q, kv, rank, WORLD)
+        local = _importances(bt, q, kv, rank)
+        summed = sum_over_ranks([[np.asarray(a, dtype=np.float32) for a in imp] for imp in local],
+                                _tp_all_gather)
+        res["summed_importance"] = [[a.tolist() for a in imp] for imp in summed]
+        # control: what this rank would select from its own heads only
+        res["local_only"] = _select(bt, q, kv, rank, 1)
+        res["layout"] = _layout_consensus(kv, rank, fail_rank=None)
+        res["layout_one_fails"] = _layout_consensus(kv, rank, fail_rank=1)
+    except BaseException:  # report to the parent instead of dying silently
+        res["error"] = traceback.format_exc()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
+
+
+def _layout_consensus(kv, rank: int, fail_rank: int | None):
+    """Run the proposer's key-layout detection on this rank's cache; ``fail_rank`` has no key."""
+    from vllm_tokenswift.proposer import TokenSwiftProposer
+
+    hkv = HKV // WORLD
+    name = LAYER_NAMES[0]
+    cache = kv[name][:, rank * hkv:(rank + 1) * hkv].contiguous()
+    prop = TokenSwiftProposer.__new__(TokenSwiftProposer)
+    prop.vllm_config = SimpleNamespace(compilation_config=SimpleNamespace(
+        static_forward_context={name: SimpleNamespace(kv_cache=cache)}))
+    prop._layer_names = [name]
+    prop.block_size = BS
+    prop.tp_size = WORLD
+    prop._key_layout = None
+    slot = 37 * BS + 5
+    key = cache[37, :, 5, :D].reshape(1, hkv * D)
+    prop._probe_key = None if rank == fail_rank else key
+    prop._detect_layout(slot)
+    return prop._key_layout
+
+
+def test_view_selection_is_rank_consistent(tmp_path):
+    ctx = mp.get_context("spawn")
+    init_file = tmp_path / "dist_init"
+    ident = f"tstp-{uuid.uuid4().hex[:12]}"
+    procs = [ctx.Process(target=_rank_main, args=(r, str(init_file), ident, str(tmp_path)))
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    hung = [p.pid for p in procs if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not hung, f"rank processes {hung} did not finish (collective deadlock?)"
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for r in res:
+        assert "error" not in r, f"rank {r['rank']} failed:\n{r['error']}"
+
+    bt, q, kv = _case()
+    reference = _select(bt, q, kv, None, 1)              # one process, all heads
+    ref_imp = _importances(bt, q, kv, None)
+
+    # every rank selects exactly the all-heads view
+    assert res[0]["selected"] == reference
+    assert res[1]["selected"] == reference
+    # the summed scores are the all-heads scores, bitwise identical across ranks
+    assert res[0]["summed_importance"] == res[1]["summed_importance"]
+    for got, want in zip(res[0]["summed_importance"], ref_imp):
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    # control: from their own heads alone the ranks would draft over different blocks
+    assert res[0]["local_only"] != res[1]["local_only"]
+    assert res[0]["local_only"] != reference and res[1]["local_only"] != reference
+    # sanity of the view shape: sink block, 6 selected, newest block last
+    for blocks, p in zip(reference[0], [POSITIONS[0]] * LAYERS):
+        assert blocks[0] == 0 and blocks[-1] == p // BS and len(blocks) == BUDGET // BS
+    # key layout detection agrees across ranks
+    assert res[0]["layout"] == res[1]["layout"] == "split_last"
+    assert res[0]["layout_one_fails"] is None and res[1]["layout_one_fails"] is None
+
+
+def test_sum_over_ranks_single_rank_is_identity():
+    from vllm_tokenswift.kv_view import sum_over_ranks
+
+    imps = [[np.arange(3, dtype=np.float32)], None, [np.zeros(0), np.ones(2)]]
+    assert sum_over_ranks(imps, None) is imps
+    # a fake 2-rank gather: both ranks' rows added in order, structure kept
+    out = sum_over_ranks(imps, lambda t: torch.stack([t, 2 * t]))
+    assert out[1] is None
+    np.testing.assert_array_equal(out[0][0], [0, 3, 6])
+    assert out[2][0].shape == (0,)
+    np.testing.assert_array_equal(out[2][1], [3, 3])
+    with pytest.raises(ValueError):
+        sum_over_ranks(imps, lambda t: t)
+
+
+# ---------------------------------------------------------------- engine: TP=2 lossless
+ASSETS = Path(__file__).resolve().parents[1] / "vllm_tokenswift" / "assets"
+PROMPT_FILES = ["1342-2k.txt", "84-2k.txt"]
+PROMPT_TOKENS = 600
+GEN_TOKENS = 384
+SAMPLED_TOKENS = 128
+
+
+def _first_allowed_cpu() -> int:
+    return min(os.sched_getaffinity(0))
+
+
+def _tp2_engine(spec: bool):
+    from vllm import LLM
+
+    kw = dict(model=str(ASSETS / "demo-model"), tensor_parallel_size=2,
+              distributed_executor_backend="mp", dtype="float32", enforce_eager=True,
+              max_model_len=4096, block_size=32, kv_cache_memory_bytes=256 * 1024 * 1024,
+              seed=0, disable_log_stats=False)
+    if spec:
+        kw["speculative_config"] = {"method": "tokenswift", "model": str(ASSETS / "demo-heads"),
+                                    "num_speculative_tokens": 4, "tokenswift": {"kv_budget": 256}}
+    return LLM(**kw)
+
+
+def _stable(stats: dict) -> dict:
+    """Counters that must match across ranks (timings differ)."""
+    return {k: v for k, v in stats.items() if "time" not in k and "share" not in k}
+
+
+@pytest.fixture
+def omp_bind(monkeypatch):
+    if not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        c = _first_allowed_cpu()
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{c}|{c}")
+
+
+def test_engine_tp2_lossless(omp_bind):
+    from engine_utils import shutdown, spec_metrics
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    tok = AutoTokenizer.from_pretrained(str(ASSETS / "demo-model"))
+    prompts = [TokensPrompt(prompt_token_ids=tok((ASSETS / "prompts" / f).read_text())["input_ids"]
+                            [:PROMPT_TOKENS]) for f in PROMPT_FILES]
+    params = SamplingParams(temperature=0.0, max_tokens=GEN_TOKENS, ignore_eos=True)
+
+    plain = _tp2_engine(spec=False)
+    base = [list(o.outputs[0].token_ids) for o in plain.generate(prompts, params, use_tqdm=False)]
+    shutdown(plain)
+
+    ts = _tp2_engine(spec=True)
+    out = [list(o.outputs[0].token_ids) for o in ts.generate(prompts, params, use_tqdm=False)]
+    # the paper's sampling: drafts drawn from q on every rank (same RNG stream), q handed
+    # to each rank's rejection sampler; the ranks' counters below must still agree
+    sampled = SamplingParams(temperature=1.0, min_p=0.1, repetition_penalty=1.2, max_tokens=SAMPLED_TOKENS,
+                             ignore_eos=True, extra_args={"repetition_penalty_window": 256})
+    sampled_out = ts.generate(prompts, sampled, use_tqdm=False)
+    # finished requests reach the workers at the next step: run one more
+    ts.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], SamplingParams(max_tokens=2), use_tqdm=False)
+    per_rank = ts.collective_rpc("tokenswift_stats")
+    metrics = spec_metrics(ts)
+    shutdown(ts)
+
+    assert [len(x) for x in base] == [GEN_TOKENS] * len(prompts)
+    for i, (a, b) in enumerate(zip(base, out)):
+        first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        assert a == b, f"prompt {i}: TP=2 TokenSwift differs from TP=2 plain decoding at token {first}"
+    assert [len(o.outputs[0].token_ids) for o in sampled_out] == [SAMPLED_TOKENS] * len(prompts)
+    assert len(per_rank) == 2 and all(s is not None for s in per_rank)
+    assert _stable(per_rank[0]) == _stable(per_rank[1]), "TP ranks took different drafting decisions"
+    s = per_rank[0]
+    assert s["view_selections"] >= 2 * len(prompts), s    # the budgeted view was re-selected
+    assert s["views_budgeted"] > 0 and s["key_layout"] is not None, s
+    assert metrics.get("vllm:spec_decode_num_accepted_tokens", 0) > GEN_TOKENS // 2, metrics
