@@ -24,8 +24,8 @@ the ones single-rank TokenSwift selects.
 
 CPU pinning: vLLM binds each TP rank's OpenMP threads with ``VLLM_CPU_OMP_THREADS_BIND``
 (one entry per rank, separated by ``|``); ``"1|1"`` puts both ranks on core 1. When the
-variable is unset, the engine test binds both ranks to the first CPU this process may
-use (vLLM's "auto" binding wants one NUMA node per rank).
+variable is unset or has a single entry, the engine test binds both ranks to the first CPU
+this process may use (vLLM's "auto" binding wants one NUMA node per rank).
 """
 
 from __future__ import annotations
@@ -284,7 +284,9 @@ def _stable(stats: dict) -> dict:
 
 @pytest.fixture
 def omp_bind(monkeypatch):
-    if not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+    # TP=2 needs one entry per rank; a single-entry binding (e.g. "1", used to pin other
+    # engine tests) is replaced too
+    if "|" not in os.environ.get("VLLM_CPU_OMP_THREADS_BIND", ""):
         c = _first_allowed_cpu()
         monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{c}|{c}")
 
