@@ -358,3 +358,17 @@ def test_bench_report_merges_runs_keeping_each_runs_baseline(tmp_path):
     # overlapping inputs are refused
     args.results = [str(tmp_path / "a"), str(tmp_path / "a")]
     assert run_report_cli(args) == 2
+
+
+def test_step_breakdown_per_step_ms():
+    recs = [_rec("ar", 100.0, gen=1000),  # 10 s wall, 1000 steps -> 10 ms/step
+            _rec("tokenswift", 200.0, gen=1000, mean_accepted_length=2.5, time_draft_s=1.0,
+                 time_verify_s=3.0)]  # 5 s wall, 400 steps -> 12.5 ms/step
+    rows = report.summarize(recs)
+    bars = report.step_breakdown(rows)
+    assert [b["method"] for b in bars] == ["ar", "tokenswift"]
+    assert bars[0]["step_ms"] == pytest.approx(10.0)
+    ts = bars[1]
+    assert ts["step_ms"] == pytest.approx(12.5)
+    assert ts["draft_ms"] == pytest.approx(2.5) and ts["verify_ms"] == pytest.approx(7.5)
+    assert ts["other_ms"] == pytest.approx(2.5)

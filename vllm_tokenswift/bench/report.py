@@ -366,14 +366,50 @@ def _series(rows: list[dict], field: str, skip_ar: bool = False) -> dict[str, li
     return {k: sorted(v) for k, v in ser.items()}
 
 
+def step_breakdown(rows: list[dict]) -> list[dict]:
+    """Per-step time split of TokenSwift settings, each preceded by AR's step at the same
+    (sampling, batch_size, gen_len), from :func:`summarize` rows.
+
+    An engine step of a request advances it by ``mean_accepted_length`` tokens
+    (1 for AR), so steps = ``gen_len / mean_accepted_length``. Returns dicts with
+    ``method, sampling, batch_size, gen_len, tokens_per_step`` and ``step_ms``,
+    ``draft_ms`` (proposer), ``verify_ms`` (the rest of the worker's step: target
+    forward + rejection sampling; AR: the decode step), ``other_ms`` (wall time outside
+    the worker), all in milliseconds per step. TokenSwift rows without timings are left out.
+    """
+    out: list[dict] = []
+    ar = {(r["sampling"], r["batch_size"], r["gen_len"]): r for r in rows if r["method"] == "ar"}
+    done_ar = set()
+    for r in rows:
+        if not (str(r["method"]).startswith("tokenswift") and r.get("time_draft_s") is not None
+                and r.get("wall_s") and r.get("mean_accepted_length") and r.get("gen_len")):
+            continue
+        key = (r["sampling"], r["batch_size"], r["gen_len"])
+        a = ar.get(key)
+        if a is not None and a.get("wall_s") and key not in done_ar:
+            done_ar.add(key)
+            step = 1000.0 * a["wall_s"] / a["gen_len"]
+            out.append({"method": "ar", "sampling": key[0], "batch_size": key[1], "gen_len": key[2],
+                        "tokens_per_step": 1.0, "step_ms": step, "draft_ms": 0.0, "verify_ms": step,
+                        "other_ms": 0.0})
+        steps = r["gen_len"] / r["mean_accepted_length"]
+        step = 1000.0 * r["wall_s"] / steps
+        d = 1000.0 * r["time_draft_s"] / steps
+        v = 1000.0 * (r.get("time_verify_s") or 0.0) / steps
+        out.append({"method": r["method"], "sampling": key[0], "batch_size": key[1], "gen_len": key[2],
+                    "tokens_per_step": r["mean_accepted_length"], "step_ms": step, "draft_ms": d,
+                    "verify_ms": v, "other_ms": max(0.0, step - d - v)})
+    return out
+
+
 def write_plots(records: list[dict], out_dir: str) -> list[str]:
     """Write the three PNG figures into ``out_dir``; returns their paths.
 
     * ``speedup_vs_gen_len.png``: median speedup vs AR per method (1.0 line = AR).
     * ``acceptance_vs_gen_len.png``: α (solid) and β (dashed) per method.
-    * ``tokenswift_time_breakdown.png``: stacked bars draft / verification / other
-      seconds per TokenSwift setting from ``time_draft_s`` / ``time_verify_s`` /
-      ``wall_s`` (a placeholder figure if no run recorded them).
+    * ``tokenswift_time_breakdown.png``: stacked bars, milliseconds per engine step:
+      draft / verification / other per TokenSwift setting, next to AR's step
+      (:func:`step_breakdown`; a placeholder figure if no run recorded timings).
     """
     import matplotlib
     matplotlib.use("Agg")
@@ -421,27 +457,28 @@ def write_plots(records: list[dict], out_dir: str) -> list[str]:
     plt.close(fig)
     paths.append(p)
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    bars = [r for r in rows if str(r["method"]).startswith("tokenswift")
-            and r.get("time_draft_s") is not None and r.get("wall_s")]
+    bars = step_breakdown(rows)
+    fig, ax = plt.subplots(figsize=(min(14.0, max(7.0, 0.8 * len(bars))), 4.8))
     if bars:
-        labels = [f"{r['method']}\n{r['sampling']} b={r['batch_size']}\n{r['gen_len']}" for r in bars]
-        draft = [r["time_draft_s"] for r in bars]
-        verify = [r.get("time_verify_s") or 0.0 for r in bars]
-        other = [max(0.0, r["wall_s"] - d - v) for r, d, v in zip(bars, draft, verify)]
+        labels = [f"{b['method']}\n{b['sampling']} b={b['batch_size']}\n{b['gen_len']}" for b in bars]
+        draft = [b["draft_ms"] for b in bars]
+        verify = [b["verify_ms"] for b in bars]
+        other = [b["other_ms"] for b in bars]
         x = list(range(len(bars)))
         ax.bar(x, draft, label="draft (proposer)")
-        ax.bar(x, verify, bottom=draft, label="verification + rest of engine step")
-        ax.bar(x, other, bottom=[d + v for d, v in zip(draft, verify)], label="other")
+        ax.bar(x, verify, bottom=draft, label="verification / decode forward + sampling")
+        ax.bar(x, other, bottom=[d + v for d, v in zip(draft, verify)], label="other (front end, scheduling)")
+        for xi, b in zip(x, bars):
+            ax.text(xi, b["step_ms"], f"{b['tokens_per_step']:.2f} tok", ha="center", va="bottom", fontsize=6)
         ax.set_xticks(x)
         ax.set_xticklabels(labels, fontsize=6)
-        ax.set_ylabel("seconds (median run)")
+        ax.set_ylabel("ms per engine step (median run)")
         ax.legend(fontsize=7)
     else:
         ax.text(0.5, 0.5, "no TokenSwift timing recorded\n(time_draft_s missing)",
                 ha="center", va="center", transform=ax.transAxes)
         ax.set_xticks([])
-    ax.set_title("Where a TokenSwift run spends its time")
+    ax.set_title("Where a TokenSwift step spends its time (AR step for reference)")
     fig.tight_layout()
     p = os.path.join(out_dir, "tokenswift_time_breakdown.png")
     fig.savefig(p, dpi=110)
