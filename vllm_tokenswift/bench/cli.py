@@ -126,16 +126,27 @@ def run_report_cli(args: argparse.Namespace) -> int:
             print(f"error: {f} is not a list of records", file=sys.stderr)
             return 2
         report.compute_speedups(recs)  # within this invocation
+        name = os.path.basename(os.path.dirname(os.path.abspath(f)))
         for rec in recs:
-            rec.setdefault("source", os.path.basename(os.path.dirname(os.path.abspath(f))))
+            rec.setdefault("source", name)
         records.extend(recs)
-        sources.append(f)
+        cfg_path = os.path.join(os.path.dirname(os.path.abspath(f)), "config.json")
+        desc = name
+        if os.path.isfile(cfg_path):  # written by `vllm-tokenswift bench` next to results.json
+            with open(cfg_path, encoding="utf-8") as fh:
+                c = json.load(fh)
+            desc += (f" (methods {', '.join(c.get('methods', []))}; gen_lens {c.get('gen_lens')}; "
+                     f"batch_sizes {c.get('batch_sizes')}; sampling {', '.join(c.get('samplings', []))}; "
+                     f"repeats {c.get('repeats')}; prefix_len {c.get('prefix_len')}; k {c.get('k')}; "
+                     f"tokenswift {json.dumps(c.get('tokenswift') or {})}; dtype {c.get('dtype')}; "
+                     f"model {os.path.basename(str(c.get('model')))})")
+        sources.append(desc)
     keys = [(r.get("method"), r.get("gen_len"), r.get("batch_size"), r.get("sampling"), r.get("repeat"))
             for r in records]
     if len(set(keys)) != len(keys):
         print("error: the inputs overlap (same method/gen_len/batch/sampling/repeat twice)", file=sys.stderr)
         return 2
-    meta = {"sources": ", ".join(sources)}
+    meta = {f"source {i + 1}": d for i, d in enumerate(sources)}
     if args.title_note:
         meta["note"] = args.title_note
     paths = report.write_report(records, args.out, meta=meta, plots=not args.no_plots, recompute=False)
