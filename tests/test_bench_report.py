@@ -372,3 +372,18 @@ def test_step_breakdown_per_step_ms():
     assert ts["step_ms"] == pytest.approx(12.5)
     assert ts["draft_ms"] == pytest.approx(2.5) and ts["verify_ms"] == pytest.approx(7.5)
     assert ts["other_ms"] == pytest.approx(2.5)
+
+
+def test_default_gen_lens_cpu_and_gpu(monkeypatch):
+    from vllm_tokenswift.bench import cli
+
+    assert harness.default_gen_lens(cuda=False) == [2048, 4096, 8192, 16384]
+    assert harness.default_gen_lens(cuda=True) == [20480, 40960, 61440, 81920, 102400]
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    cli.add_parser(sub)
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.config_from_args(parser.parse_args(["bench"])).gen_lens == [2048, 4096, 8192, 16384]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cli.config_from_args(parser.parse_args(["bench"])).gen_lens[-1] == 102400

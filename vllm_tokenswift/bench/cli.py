@@ -52,8 +52,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--methods", type=_csv, default=["ar", "tokenswift", "ngram", "suffix"],
                    help="comma-separated; known: " + ", ".join(h.KNOWN_METHODS)
                         + " (default ar,tokenswift,ngram,suffix)")
-    p.add_argument("--gen-lens", type=_ints, default=[2048, 4096],
-                   help="generated tokens per sequence, comma-separated (default 2048,4096)")
+    p.add_argument("--gen-lens", type=_ints, default=None,
+                   help="generated tokens per sequence, comma-separated (default: "
+                        + ",".join(map(str, h.CPU_GEN_LENS)) + " on CPU; the paper's "
+                        + ",".join(map(str, h.GPU_GEN_LENS)) + " on CUDA)")
     p.add_argument("--batch-sizes", type=_ints, default=[1], help="comma-separated (default 1)")
     p.add_argument("--sampling", type=_csv, default=["greedy", "paper"],
                    help="greedy,paper (default both); paper = T 1.0, min_p 0.1, repetition "
@@ -158,7 +160,7 @@ def run_report_cli(args: argparse.Namespace) -> int:
 
 def config_from_args(args: argparse.Namespace):
     """Build a :class:`~vllm_tokenswift.bench.harness.BenchConfig` from parsed args."""
-    from vllm_tokenswift.bench.harness import BenchConfig, SAMPLING_PRESETS
+    from vllm_tokenswift.bench.harness import SAMPLING_PRESETS, BenchConfig, default_gen_lens
 
     for s in args.sampling:
         if s not in SAMPLING_PRESETS:
@@ -175,7 +177,7 @@ def config_from_args(args: argparse.Namespace):
         except ValueError:
             engine_kwargs[key] = val
     return BenchConfig(
-        methods=list(args.methods), gen_lens=list(args.gen_lens),
+        methods=list(args.methods), gen_lens=list(args.gen_lens or default_gen_lens()),
         batch_sizes=list(args.batch_sizes), samplings=list(args.sampling),
         repeats=args.repeats, out_dir=args.out, model=args.model, heads=args.heads,
         tokenizer=args.tokenizer, prompt_files=args.prompt_files,

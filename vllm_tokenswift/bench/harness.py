@@ -255,6 +255,27 @@ def model_max_len(model_dir: str) -> int | None:
     return int(v) if v else None
 
 
+#: Default generation lengths: the issue's CPU ladder, and the paper's 20K-100K on GPUs.
+CPU_GEN_LENS = [2048, 4096, 8192, 16384]
+GPU_GEN_LENS = [20480, 40960, 61440, 81920, 102400]
+
+
+def default_gen_lens(cuda: bool | None = None) -> list[int]:
+    """Generation lengths used when ``--gen-lens`` is not given.
+
+    Args:
+        cuda: whether a CUDA device is used (default: ``torch.cuda.is_available()``).
+    Returns:
+        :data:`GPU_GEN_LENS` (paper Sec 4.1, 20K-100K tokens; needs a model whose
+        window holds prefix + 100K) on CUDA, else :data:`CPU_GEN_LENS`.
+    """
+    if cuda is None:
+        import torch
+
+        cuda = bool(torch.cuda.is_available())
+    return list(GPU_GEN_LENS if cuda else CPU_GEN_LENS)
+
+
 def effective_prefix_len(prefix_len: int, gen_lens: Sequence[int], max_len: int | None,
                          margin: int = 64) -> int:
     """Prefix length capped so that ``prefix + max(gen_lens) + margin`` fits ``max_len``.
