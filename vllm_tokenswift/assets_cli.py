@@ -46,9 +46,9 @@ def add_parser(sub) -> None:
 
 def _print_paths(args) -> int:
     d = paths()
-    if getattr(args, "model", False):
+    if args.model:
         print(d["model"])
-    elif getattr(args, "heads", False):
+    elif args.heads:
         print(d["heads"])
     else:
         print(json.dumps(d, indent=2))

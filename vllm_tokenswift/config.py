@@ -166,11 +166,11 @@ class TokenSwiftConfig(BaseModel):
                 f"{max(256, max_model_len // 4)}) or set draft_kv=\"full\" to draft over the full cache")
         if not (self.use_heads and self.num_heads > 0):
             return
-        from vllm_tokenswift.heads import HeadsLoadError, inspect_heads
+        from vllm_tokenswift.heads import inspect_heads
 
         try:
             info = inspect_heads(self.heads)
-        except (HeadsLoadError, OSError, ValueError, KeyError) as e:
+        except (ValueError, OSError, KeyError) as e:  # HeadsLoadError and bad JSON are ValueErrors
             raise TokenSwiftConfigError(f"TokenSwift heads checkpoint (speculative \"model\"): {e}") from None
         if info.hidden_size != hidden_size:
             raise TokenSwiftConfigError(

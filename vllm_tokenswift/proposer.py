@@ -439,17 +439,12 @@ class TokenSwiftProposer:
             self._detect_layout(slots[0].item())
         h = hidden if isinstance(hidden, torch.Tensor) else hidden[0]
         h = h[:n]
-        if self.heads is not None and self._prenorm is not None:
-            outs = self.heads(self._prenorm[:n].to(h.dtype))
-            logits = self.target.compute_logits(torch.cat([h] + outs, dim=0))
-            if logits is None:
-                raise RuntimeError("TokenSwift: compute_logits returned no logits on this rank")
-            logits = logits.view(1 + len(outs), n, -1).transpose(0, 1)
-        else:
-            logits = self.target.compute_logits(h)
-            if logits is None:
-                raise RuntimeError("TokenSwift: compute_logits returned no logits on this rank")
-            logits = logits.unsqueeze(1)
+        outs = (self.heads(self._prenorm[:n].to(h.dtype))
+                if self.heads is not None and self._prenorm is not None else [])
+        logits = self.target.compute_logits(torch.cat([h] + outs, dim=0) if outs else h)
+        if logits is None:
+            raise RuntimeError("TokenSwift: compute_logits returned no logits on this rank")
+        logits = logits.view(1 + len(outs), n, -1).transpose(0, 1)
         return logits[..., : self.vocab_size].float()
 
     def _detect_layout(self, slot: int) -> None:

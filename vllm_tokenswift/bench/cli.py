@@ -116,7 +116,7 @@ def run_report_cli(args: argparse.Namespace) -> int:
 
     records: list[dict] = []
     sources = []
-    for i, path in enumerate(args.results):
+    for path in args.results:
         f = os.path.join(path, "results.json") if os.path.isdir(path) else path
         try:
             with open(f, encoding="utf-8") as fh:
