@@ -139,5 +139,7 @@ def test_abort_preemption_and_max_model_len(book_tokens):
         assert len(got) == min(700, max_len - lengths[int(r)])
     assert metrics["vllm:num_preemptions"] > 0
     assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
-    assert stats["num_stale_states"] == 0
-    assert stats["num_live_requests"] <= 1  # only the probe request may still be live
+    # Only the probe may be left: when the engine flushes its finish in a step without a
+    # proposer call, the runner has dropped it and the proposer frees it at its next call
+    # (timing-dependent). Leaked state of the 3 aborted or the preempted requests would be >= 1 more.
+    assert stats["num_stale_states"] + stats["num_live_requests"] <= 1
