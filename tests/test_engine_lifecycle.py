@@ -142,4 +142,6 @@ def test_abort_preemption_and_max_model_len(book_tokens):
     # Only the probe may be left: when the engine flushes its finish in a step without a
     # proposer call, the runner has dropped it and the proposer frees it at its next call
     # (timing-dependent). Leaked state of the 3 aborted or the preempted requests would be >= 1 more.
-    assert stats["num_stale_states"] + stats["num_live_requests"] <= 1
+    # num_live_requests counts every state the proposer holds (stale ones included)
+    assert stats["num_live_requests"] <= 1
+    assert stats["num_stale_states"] <= stats["num_live_requests"]
