@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# One command for the main job: set up (or reuse) .venv, then run the TokenSwift demo on the
-# bundled model, heads and book prompt (plain decoding vs TokenSwift, 4,096 tokens).
-# Extra arguments go to `vllm-tokenswift demo` (e.g. --max-tokens 8192).
+# One command for the main job: set up (or reuse) .venv and the SmolLM2-135M-Instruct model,
+# then run the TokenSwift demo: SmolLM2 + its heads on a book opening, plain decoding vs
+# TokenSwift under greedy decoding and under the paper's sampling (1,024 tokens per run).
+# vLLM's own log lines go to a file (its path is printed); --verbose shows them.
+# Extra arguments go to `vllm-tokenswift demo` (e.g. --max-tokens 2048, --model tiny).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SETUP_ARGS=()
@@ -10,5 +12,4 @@ for a in "$@"; do
   case "$a" in --cpu|--cuda) SETUP_ARGS+=("$a") ;; *) DEMO_ARGS+=("$a") ;; esac
 done
 bash scripts/setup.sh "${SETUP_ARGS[@]}"
-export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
 exec .venv/bin/vllm-tokenswift demo "${DEMO_ARGS[@]}"

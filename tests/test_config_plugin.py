@@ -1,14 +1,24 @@
-"""Config validation, config translation, CLI alias and version pinning (no engine)."""
+"""Config validation and bounds, front-end checks, config translation, CLI alias,
+version pinning and the runner state-release hook (no engine)."""
 
 import argparse
+from types import SimpleNamespace
 
 import pytest
 
-from vllm_tokenswift import PROPOSER_CLASS_PATH
+from vllm_tokenswift import PROPOSER_CLASS_PATH, plugin
 from vllm_tokenswift.compat import UnsupportedVLLMVersion, check_vllm_version, is_supported
-from vllm_tokenswift.config import TokenSwiftConfig, TokenSwiftConfigError
+from vllm_tokenswift.config import (MAX_NGRAM_TOPK, MAX_TREE_PATHS, MAX_TREE_WIDTH, TokenSwiftConfig,
+                                    TokenSwiftConfigError)
 from vllm_tokenswift.plugin import (add_tokenswift_cli_args, apply_tokenswift_cli_args,
-                                    translate_speculative_config)
+                                    release_finished_states, translate_speculative_config)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _plugin_registered():
+    # translate_speculative_config refuses to run unless the plugin's patches are
+    # active in this process (fail closed), as they are in any vLLM process
+    plugin.register()
 
 
 def test_defaults_match_the_documented_ones():
@@ -22,7 +32,13 @@ def test_defaults_match_the_documented_ones():
     ({"kv_budget": 0}, "tokenswift.kv_budget"),
     ({"draft_kv": "half"}, "tokenswift.draft_kv"),
     ({"tree": [1, 3, 3]}, "tree has 3 entries"),
-    ({"tree": [1, 0, 3, 3]}, "tree entries must be >= 1"),
+    ({"tree": [1, 0, 3, 3]}, "tree entries must be between 1 and 8"),
+    ({"tree": [1, 9, 3, 3]}, "tree entries must be between 1 and 8"),
+    ({"tree": [8, 8, 8, 8]}, "has 4096 paths; at most 256"),
+    ({"ngram_topk": MAX_NGRAM_TOPK + 1}, "tokenswift.ngram_topk"),
+    ({"ngram_n": 9}, "tokenswift.ngram_n"),
+    ({"num_heads": 17, "tree": [1] * 18}, "tokenswift.num_heads"),
+    ({"num_speculative_tokens": 65}, "tokenswift.num_speculative_tokens"),
     ({"ngram_n": 1}, "tokenswift.ngram_n"),
     ({"kv_bugdet": 10}, "tokenswift.kv_bugdet"),
     ({"use_heads": True, "heads": None}, "no heads checkpoint"),
@@ -35,11 +51,83 @@ def test_invalid_settings_name_the_field(bad, msg):
         TokenSwiftConfig.from_speculative_dict(spec)
 
 
+def test_every_setting_that_sizes_per_step_work_is_bounded():
+    # issue 12: settings whose size drives per-step work have upper bounds in the schema;
+    # the budget and the sink are bounded by the engine (max_model_len, block size) in
+    # the front-end check instead, and log_interval_s drives no per-step work
+    engine_bounded = {"kv_budget", "sink_tokens"}
+    no_step_work = {"log_interval_s"}
+    props = TokenSwiftConfig.model_json_schema()["properties"]
+    numeric = {k for k, v in props.items() if v.get("type") in ("integer", "number")}
+    assert numeric >= {"kv_budget", "sink_tokens", "ngram_n", "ngram_topk", "num_speculative_tokens",
+                       "num_heads", "ngram_min_conf", "log_interval_s"}
+    unbounded = {k for k in numeric if "maximum" not in props[k]}
+    assert unbounded == engine_bounded | no_step_work
+    assert MAX_TREE_WIDTH ** 3 > MAX_TREE_PATHS  # the path bound is what limits wide trees
+
+
 def test_budget_checked_against_block_size():
     cfg = TokenSwiftConfig.parse({"kv_budget": 64, "use_heads": False})
     cfg.check_block_size(16)
     with pytest.raises(TokenSwiftConfigError, match="too small for block_size=32"):
         cfg.check_block_size(32)
+    # issue 12: the GPU-natural 256 on CPU (128-token blocks) names the smallest valid value
+    cpu = TokenSwiftConfig.parse({"kv_budget": 256, "use_heads": False})
+    with pytest.raises(TokenSwiftConfigError, match=r"The smallest valid kv_budget is 384 \(KV blocks"):
+        cpu.check_block_size(128)
+    assert cpu.min_kv_budget(128) == 384 and cpu.min_kv_budget(16) == 48
+    TokenSwiftConfig.parse({"kv_budget": 384, "use_heads": False}).check_block_size(128)
+    # the sink counts in whole blocks
+    big_sink = TokenSwiftConfig.parse({"kv_budget": 384, "sink_tokens": 129, "use_heads": False})
+    with pytest.raises(TokenSwiftConfigError, match=r"sink \(2 blocks\).*smallest valid kv_budget is 512"):
+        big_sink.check_block_size(128)
+    TokenSwiftConfig.parse({"kv_budget": 8, "draft_kv": "full", "use_heads": False}).check_block_size(128)
+
+
+def test_budget_checked_against_max_model_len():
+    cfg = TokenSwiftConfig.parse({"kv_budget": 4096, "use_heads": False})
+    with pytest.raises(TokenSwiftConfigError, match="largest valid kv_budget is 2048"):
+        cfg.check_max_model_len(2048)
+    cfg.check_max_model_len(4096)
+    small = TokenSwiftConfig.parse({"kv_budget": 256, "use_heads": False})
+    with pytest.raises(TokenSwiftConfigError, match="no tokenswift.kv_budget fits max_model_len=256 with "
+                                                    "block_size=128.*smallest valid budget is 384"):
+        small.check_engine(block_size=128, max_model_len=256, hidden_size=64)
+    small.check_engine(block_size=16, max_model_len=256, hidden_size=64)
+
+
+def test_head_count_rule_is_the_same_in_front_end_and_worker(tmp_path):
+    import torch
+
+    from vllm_tokenswift.heads import DraftHeads, HeadsLoadError, inspect_heads, load_heads, save_heads
+
+    for n in (2, 3, 4):
+        save_heads(DraftHeads(32, n), tmp_path / f"h{n}")
+    for n in (2, 3, 4):
+        info = inspect_heads(tmp_path / f"h{n}")
+        cfg = TokenSwiftConfig.parse({"heads": str(tmp_path / f"h{n}"), "num_heads": 3, "tree": [1, 3, 3, 3]})
+        front_ok = worker_ok = True
+        try:
+            cfg.check_heads_info(info, 32)
+        except TokenSwiftConfigError as e:
+            front_ok = False
+            assert f"hold {n} heads but tokenswift.num_heads=3: the largest valid num_heads is {n}" in str(e)
+        try:
+            load_heads(tmp_path / f"h{n}", hidden_size=32, num_heads=3, dtype=torch.float32)
+        except HeadsLoadError:
+            worker_ok = False
+        assert front_ok == worker_ok == (n >= 3), n  # more heads: the first num_heads are used
+    with pytest.raises(TokenSwiftConfigError, match="hidden size 32, the target model has 64"):
+        TokenSwiftConfig.parse({"heads": str(tmp_path / "h3")}).check_heads_info(inspect_heads(tmp_path / "h3"), 64)
+
+
+def test_attention_type_checked():
+    cfg = TokenSwiftConfig.parse({"use_heads": False})
+    cfg.check_attention(SimpleNamespace(layer_types=["full_attention"] * 2))
+    with pytest.raises(TokenSwiftConfigError, match="full-attention decoder models only"):
+        cfg.check_attention(SimpleNamespace(layer_types=["full_attention", "sliding_attention"]))
+    with pytest.raises(TokenSwiftConfigError, match="full-attention decoder models only"):
+        cfg.check_attention(SimpleNamespace(use_sliding_window=True))
 
 
 class _Args:
@@ -75,6 +163,13 @@ def test_translation_of_short_flags_and_errors():
     other = _Args({"method": "ngram", "num_speculative_tokens": 4})
     translate_speculative_config(other)
     assert other.speculative_config == {"method": "ngram", "num_speculative_tokens": 4}
+    for method in ("fly", "synthetic", "block"):  # only lossless 'standard' verification
+        with pytest.raises(TokenSwiftConfigError, match=f"rejection_sample_method='{method}' cannot be used"):
+            translate_speculative_config(_Args({"method": "tokenswift", "model": "/h",
+                                                "rejection_sample_method": method}))
+    std = _Args({"method": "tokenswift", "model": "/h", "rejection_sample_method": "standard"})
+    translate_speculative_config(std)
+    assert std.speculative_config["rejection_sample_method"] == "standard"
 
 
 def test_speculative_model_alias():
@@ -108,7 +203,42 @@ def test_vllm_serve_help_shows_the_alias():
 
 def test_version_pin():
     assert is_supported("0.32.0") and is_supported("0.32.4+cpu")
-    assert not is_supported("0.31.9") and not is_supported("0.33.0")
-    with pytest.raises(UnsupportedVLLMVersion, match="supports vLLM >=0.32.0,<0.33"):
+    assert is_supported("0.33.0") and is_supported("0.33.2")
+    assert not is_supported("0.31.9") and not is_supported("0.34.0") and not is_supported("0.34.0rc1")
+    with pytest.raises(UnsupportedVLLMVersion, match="supports vLLM >=0.32.0,<0.34"):
         check_vllm_version("0.31.1")
+    with pytest.raises(UnsupportedVLLMVersion, match="installed: 0.34.0"):
+        check_vllm_version("0.34.0")
     assert check_vllm_version().startswith("0.32")
+
+
+class _Drafter:
+    def __init__(self, states):
+        self.states = dict.fromkeys(states)
+
+    def release_requests(self, ids):
+        gone = [rid for rid in ids if rid in self.states]
+        for rid in gone:
+            del self.states[rid]
+        return len(gone)
+
+
+def _sched_out(finished=(), preempted=None, resumed=()):
+    return SimpleNamespace(finished_req_ids=set(finished), preempted_req_ids=preempted,
+                           scheduled_cached_reqs=SimpleNamespace(resumed_req_ids=set(resumed)))
+
+
+def test_state_release_hook_frees_finished_preempted_resumed():
+    ts_spec = SimpleNamespace(method="custom_class", model=PROPOSER_CLASS_PATH)
+    drafter = _Drafter(["a", "b", "c", "d"])
+    runner = SimpleNamespace(speculative_config=ts_spec, drafter=drafter)
+    # a step that schedules nothing but flushes finished ids (no proposer call)
+    assert release_finished_states(runner, _sched_out(finished={"a", "zz"})) == 1
+    assert release_finished_states(runner, _sched_out(preempted={"b"}, resumed={"c"})) == 2
+    assert set(drafter.states) == {"d"}
+    assert release_finished_states(runner, _sched_out()) == 0
+    # other engines and drafters without the method are untouched
+    ngram = SimpleNamespace(speculative_config=SimpleNamespace(method="ngram", model=None), drafter=drafter)
+    assert release_finished_states(ngram, _sched_out(finished={"d"})) == 0 and "d" in drafter.states
+    assert release_finished_states(SimpleNamespace(speculative_config=ts_spec, drafter=object()),
+                                   _sched_out(finished={"d"})) == 0

@@ -18,8 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from vllm_tokenswift.assets_cli import SMOLLM2_HEADS
 from vllm_tokenswift.compat import is_supported
 from vllm_tokenswift.config import TokenSwiftConfig
+from vllm_tokenswift.models import CACHE_ENV, model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
@@ -288,6 +290,8 @@ def test_copied_paths_exist_and_are_in_the_build_context(dockerfile):
         assert not dockerignored(src), f"{dockerfile.name} copies {src}, which .dockerignore excludes"
     # what the packaging and the demo need must survive .dockerignore too
     for rel in ("README.md", "vllm_tokenswift/__init__.py",
+                "vllm_tokenswift/assets/smollm2-heads/tokenswift_heads.json",
+                "vllm_tokenswift/assets/smollm2-heads/heads.safetensors",
                 "vllm_tokenswift/assets/demo-model/config.json",
                 "vllm_tokenswift/assets/demo-model/model.safetensors",
                 "vllm_tokenswift/assets/demo-heads/tokenswift_heads.json",
@@ -298,24 +302,55 @@ def test_copied_paths_exist_and_are_in_the_build_context(dockerfile):
         assert dockerignored(rel), f".dockerignore should exclude {rel}"
 
 
+def env_values(instrs: list[tuple[str, str]]) -> dict[str, str]:
+    """``KEY=VALUE`` pairs of every ENV instruction (later ones win)."""
+    env: dict[str, str] = {}
+    for rest in only(instrs, "ENV"):
+        for tok in shlex.split(rest):
+            key, sep, val = tok.partition("=")
+            if sep:
+                env[key] = val
+    return env
+
+
 @pytest.mark.parametrize("dockerfile", [GPU, CPU], ids=lambda p: p.name)
-def test_default_cmd_serves_the_bundled_demo(dockerfile):
+def test_image_converts_smollm2_at_build_time(dockerfile):
+    """The image sets the model cache, installs what the conversion needs and runs
+    fetch-model before its build check; the CMD's model folder is where fetch-model puts it."""
+    ins = instructions(dockerfile)
+    cache = env_values(ins).get(CACHE_ENV)
+    assert cache and cache.startswith(IMAGE_ROOT + "/"), f"{dockerfile.name} must set {CACHE_ENV}"
+    runs = only(ins, "RUN")
+    fetch = next((r for r in runs if "vllm-tokenswift fetch-model" in r), None)
+    assert fetch is not None, f"{dockerfile.name} must run vllm-tokenswift fetch-model"
+    for pin in ("gguf==", "accelerate=="):
+        assert pin in fetch, f"{dockerfile.name}: pin {pin}... where fetch-model runs"
+    assert fetch.index("-e .") < fetch.index("fetch-model") < fetch.index("check_model_folder")
+    args = cmd_args(dockerfile)
+    model = args[args.index("--model") + 1] if "--model" in args else args[0]
+    assert model == str(model_dir(cache_dir=cache)) == f"{cache}/models/SmolLM2-135M-Instruct"
+    assert args[args.index("--max-model-len") + 1] == "8192"  # SmolLM2's window
+
+
+@pytest.mark.parametrize("dockerfile", [GPU, CPU], ids=lambda p: p.name)
+def test_default_cmd_serves_smollm2_with_its_heads(dockerfile):
     ins = instructions(dockerfile)
     assert IMAGE_ROOT in only(ins, "WORKDIR"), f"{dockerfile.name} must copy the repository to {IMAGE_ROOT}"
     args = cmd_args(dockerfile)
-    paths = [a for a in args if a.startswith(IMAGE_ROOT + "/")]
-    assert len(paths) == 2, paths  # the demo model and the demo heads
-    for p in paths:
-        rel = p[len(IMAGE_ROOT) + 1:]
-        assert (ROOT / rel).is_dir(), f"{dockerfile.name}: {p} is not a folder of the repository"
-    heads = ROOT / args[args.index("--tokenswift-heads") + 1][len(IMAGE_ROOT) + 1:]
-    assert (heads / "tokenswift_heads.json").is_file()
+    heads_arg = args[args.index("--tokenswift-heads") + 1]
+    assert heads_arg == f"{IMAGE_ROOT}/{SMOLLM2_HEADS.relative_to(ROOT)}"
+    assert heads_arg == f"{IMAGE_ROOT}/vllm_tokenswift/assets/smollm2-heads"
+    heads = ROOT / heads_arg[len(IMAGE_ROOT) + 1:]
+    assert (heads / "tokenswift_heads.json").is_file(), f"the SmolLM2 heads are missing from {heads}"
+    assert json.loads((heads / "tokenswift_heads.json").read_text())["hidden_size"] == 576
     # valid settings, validated as the plugin does for --tokenswift-heads/--tokenswift-config
     # (raises on an unknown key or a bad value)
     ts = dict(json.loads(args[args.index("--tokenswift-config") + 1]))
+    assert ts == {"kv_budget": 1024, "num_speculative_tokens": 8}
     TokenSwiftConfig.from_speculative_dict({"method": "tokenswift", "model": str(heads),
                                             "num_speculative_tokens": ts.pop("num_speculative_tokens", 4),
                                             "tokenswift": ts})
+    assert args[args.index("--served-model-name") + 1] == "smollm2"
     assert args[args.index("--port") + 1] == "8000"
     assert any("8000" in e.split() for e in only(ins, "EXPOSE")), f"{dockerfile.name} must EXPOSE 8000"
 

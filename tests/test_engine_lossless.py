@@ -1,12 +1,15 @@
 """Lossless end-to-end tests: TokenSwift inside vLLM equals vLLM without speculation.
 
 Greedy: token-identical outputs for >= 2,048 new tokens per request, on a Llama-style
-GQA model and a Qwen2-style model (qkv bias, tied embeddings, MHA), with prompts longer
+GQA model (``policy="paper"``: the draft forward every step) and a Qwen2-style model (qkv
+bias, tied embeddings, MHA; ``policy="cycle"``: every request switches between the draft
+forward, fused heads, n-gram chains and no draft from step to step, per-layer views), with
+prompts longer
 than the draft KV budget (so the view is re-selected several times), with and without
 the windowed repetition penalty, for a batch of 8 prompts of different lengths and
 max_tokens. vLLM defaults (prefix caching, chunked prefill) stay on; a third engine pair
 uses a small max_num_batched_tokens (prefill is chunked for real) and a KV cache too small
-for the batch, so requests are preempted and resumed.
+for the batch, so requests are preempted and resumed (default adaptive policy).
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ def llama_runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("llama")
     model = build_tiny_model(d / "model", "llama", vocab_size=VOCAB, hidden_size=128, heads=4, kv_heads=2)
     heads = build_random_heads(d / "heads", 128)
-    return _run_pair(str(model), str(heads))
+    return _run_pair(str(model), str(heads), ts_over={"policy": "paper"})
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +79,8 @@ def qwen_runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("qwen2")
     model = build_tiny_model(d / "model", "qwen2", vocab_size=VOCAB, hidden_size=128, heads=4)
     heads = build_random_heads(d / "heads", 128, seed=3)
-    return _run_pair(str(model), str(heads), ts_over={"view_granularity": "shared"})
+    # every request switches between all four options step by step, per-layer views
+    return _run_pair(str(model), str(heads), ts_over={"view_granularity": "layer", "policy": "cycle"})
 
 
 @pytest.fixture(scope="module")
@@ -124,8 +128,14 @@ def test_view_reselected_and_drafts_counted(request, runs_name):
     # vLLM's own spec-decode metrics count TokenSwift's drafts
     assert metrics["vllm:spec_decode_num_drafts"] == stats["verified_drafts"]
     assert metrics["vllm:spec_decode_num_accepted_tokens"] == stats["accepted_tokens"]
-    assert stats["accepted_tokens"] == stats["accepted_heads"] + stats["accepted_ngram"]
+    assert stats["accepted_tokens"] == stats["accepted_heads"] + stats["accepted_ngram"] + stats["accepted_fused"]
     assert stats["accepted_tokens"] > 0
+
+
+def test_cycle_policy_used_every_option(qwen_runs):
+    stats = qwen_runs[2]
+    assert all(stats["steps_by_kind"][k] > 1000 for k in ("forward", "fused", "none")), stats["steps_by_kind"]
+    assert stats["accepted_by_kind"]["forward"] > 0
 
 
 def test_preemption_happened(chunked_runs):

@@ -8,6 +8,17 @@ paper's (temperature 1.0, min_p 0.1, repetition penalty 1.2 over a 16-token wind
 The test fails if any of the 8 positions has p < 0.001 / 8 (Bonferroni), so under the null
 hypothesis its false-alarm rate is at most 0.1% per setting. A control checks the test has
 power: the same statistic separates plain decoding with and without min_p (p < 1e-6).
+
+Two TokenSwift engines: the default adaptive policy, and ``policy="cycle"``, which makes
+every request switch between the draft forward, fused heads, an n-gram chain and no draft
+from one step to the next. A third setting mixes four different prompts (different
+lengths and ``max_tokens``, so requests finish at different steps and batch rows move)
+in one batch and tests each prompt's histograms separately: a misalignment between the
+draft distributions handed to the rejection sampler and the requests would show there.
+``test_q_reaches_the_rejection_sampler``: with ``policy="paper"`` and the whole context in
+the view, the draft distribution of position 0 equals the target's, so the rejection
+sampler accepts it almost always, far above the point-mass acceptance Σ p² it would have
+if q were not handed over.
 No per-request seeds: on CPU, vLLM's seeded rejection sampler fails (see plugin.py).
 """
 
@@ -31,6 +42,33 @@ def _params(kind: str):
         return SamplingParams(temperature=1.0, max_tokens=NEW, ignore_eos=True)
     return SamplingParams(temperature=1.0, min_p=0.1, repetition_penalty=1.2, max_tokens=NEW,
                           ignore_eos=True, extra_args={"repetition_penalty_window": 16})
+
+
+MULTI_LENS = [17, 40, 63, 90]
+
+
+def _multi(vocab: int):
+    """Four prompts of different lengths, N/4 copies each, interleaved; their params."""
+    from vllm import SamplingParams
+
+    base = random_prompts(MULTI_LENS, vocab, seed=5)
+    prompts, params, which = [], [], []
+    for i in range(N // len(base)):
+        for j, pr in enumerate(base):
+            prompts.append(pr)
+            params.append(SamplingParams(temperature=1.0, min_p=0.1, repetition_penalty=1.2,
+                                         max_tokens=NEW + 2 * j, ignore_eos=True,
+                                         extra_args={"repetition_penalty_window": 16}))
+            which.append(j)
+    return prompts, params, which
+
+
+def _generate_all(llm, prompt):
+    out = {k: token_ids(llm.generate(prompt, _params(k), use_tqdm=False)) for k in ("t1", "paper")}
+    mp, mparams, which = _multi(VOCAB)
+    toks = token_ids(llm.generate(mp, mparams, use_tqdm=False))
+    out["multi"] = [[t for t, w in zip(toks, which) if w == j] for j in range(len(MULTI_LENS))]
+    return out
 
 
 def _min_pvalue(a: list[list[int]], b: list[list[int]]) -> float:
@@ -57,32 +95,89 @@ def samples(tmp_path_factory):
     heads = str(build_random_heads(d / "heads", 128, seed=12))
     prompt = random_prompts([40], VOCAB, seed=3) * N
     plain = make_llm(model, max_model_len=512)
-    base = {k: token_ids(plain.generate(prompt, _params(k), use_tqdm=False)) for k in ("t1", "paper")}
+    base = _generate_all(plain, prompt)
     shutdown(plain)
-    spec = {"method": "tokenswift", "model": heads, "num_speculative_tokens": 4,
-            "tokenswift": {"kv_budget": 128, "sink_tokens": 16}}
-    ts = make_llm(model, spec, max_model_len=512)
-    out = {k: token_ids(ts.generate(prompt, _params(k), use_tqdm=False)) for k in ("t1", "paper")}
-    metrics = spec_metrics(ts)
-    shutdown(ts)
-    return base, out, metrics
+    out, metrics, stats = {}, {}, {}
+    for policy in ("adaptive", "cycle"):
+        spec = {"method": "tokenswift", "model": heads, "num_speculative_tokens": 4,
+                "tokenswift": {"kv_budget": 128, "sink_tokens": 16, "policy": policy}}
+        ts = make_llm(model, spec, max_model_len=512)
+        out[policy] = _generate_all(ts, prompt)
+        metrics[policy] = spec_metrics(ts)
+        from vllm_tokenswift.metrics import get_engine_stats
+
+        stats[policy] = get_engine_stats(ts)
+        shutdown(ts)
+    return base, out, metrics, stats
 
 
+@pytest.mark.parametrize("policy", ["adaptive", "cycle"])
 @pytest.mark.parametrize("kind", ["t1", "paper"])
-def test_same_distribution(samples, kind):
-    base, out, _ = samples
-    assert len(base[kind]) == len(out[kind]) == N
-    assert all(len(t) == NEW for t in out[kind])
-    p = _min_pvalue(base[kind], out[kind])
-    assert p >= ALPHA / NEW, f"TokenSwift changed the {kind} sampling distribution (min p = {p:.2e})"
+def test_same_distribution(samples, kind, policy):
+    base, out, _, _ = samples
+    assert len(base[kind]) == len(out[policy][kind]) == N
+    assert all(len(t) == NEW for t in out[policy][kind])
+    p = _min_pvalue(base[kind], out[policy][kind])
+    assert p >= ALPHA / NEW, f"TokenSwift ({policy}) changed the {kind} sampling distribution (min p = {p:.2e})"
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "cycle"])
+def test_same_distribution_per_prompt_in_a_mixed_batch(samples, policy):
+    base, out, _, _ = samples
+    for j in range(len(MULTI_LENS)):
+        a, b = base["multi"][j], out[policy]["multi"][j]
+        assert len(a) == len(b) == N // len(MULTI_LENS)
+        assert all(len(t) == NEW + 2 * j for t in b)
+        p = _min_pvalue(a, b)
+        # Bonferroni over the prompts too
+        assert p >= ALPHA / (NEW * len(MULTI_LENS)), \
+            f"prompt {j} ({MULTI_LENS[j]} tokens): distribution changed (min p = {p:.2e})"
+
+
+def test_cycle_switched_between_all_options(samples):
+    kinds = samples[3]["cycle"]["steps_by_kind"]
+    assert all(kinds[k] > 500 for k in ("forward", "fused", "none")), kinds
+    assert samples[3]["cycle"]["accepted_fused"] > 0
 
 
 def test_drafts_were_both_accepted_and_rejected(samples):
-    metrics = samples[2]
-    assert metrics["vllm:spec_decode_num_accepted_tokens"] > 1000  # the accept path is exercised
+    """The cycle policy drafts every other step, so accept and reject paths are both
+    exercised (the adaptive policy may rightly decide that drafting on this random model
+    does not pay)."""
+    metrics = samples[2]["cycle"]
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] > 500
     assert metrics["vllm:spec_decode_num_accepted_tokens"] < metrics["vllm:spec_decode_num_draft_tokens"]
 
 
 def test_statistic_has_power(samples):
     base = samples[0]
     assert _min_pvalue(base["t1"], base["paper"]) < 1e-6
+
+
+def test_q_reaches_the_rejection_sampler(tmp_path):
+    """Flat target distribution; the draft forward sees the whole context, so q = p at
+    position 0 and the rejection sampler, given q, accepts with Σ min(p, q) = 1. Treated as
+    a point mass the same draft would be accepted with probability p(draft), Σ p² on
+    average (about 1/30 here): far below what is measured."""
+    from vllm import SamplingParams
+
+    model = str(build_tiny_model(tmp_path / "flat", "llama", vocab_size=VOCAB, hidden_size=128, heads=4,
+                                 kv_heads=2, init_std=0.02, seed=21))
+    heads = str(build_random_heads(tmp_path / "heads", 128, seed=22))
+    prompt = random_prompts([40], VOCAB, seed=4) * 300
+    params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
+    plain = make_llm(model, max_model_len=512)
+    first = np.bincount([t[0] for t in token_ids(plain.generate(prompt, params, use_tqdm=False))],
+                        minlength=VOCAB) / len(prompt)
+    shutdown(plain)
+    spec = {"method": "tokenswift", "model": heads, "num_speculative_tokens": 4,
+            "tokenswift": {"kv_budget": 512, "sink_tokens": 16, "policy": "paper"}}
+    ts = make_llm(model, spec, max_model_len=512)
+    ts.generate(prompt, params, use_tqdm=False)
+    m = spec_metrics(ts)
+    shutdown(ts)
+    point_mass = float((first ** 2).sum())
+    assert point_mass < 0.2  # the target is flat
+    per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    acc0 = per_pos[0] / m["vllm:spec_decode_num_drafts"]
+    assert acc0 > 0.9 > 4 * point_mass, (acc0, point_mass)

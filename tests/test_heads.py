@@ -85,8 +85,15 @@ def test_mismatches_fail_clearly(tmp_path):
     save_heads(heads, tmp_path / "h")
     with pytest.raises(HeadsLoadError, match="hidden size 64 but the target model has 128"):
         load_heads(tmp_path / "h", hidden_size=128)
-    with pytest.raises(HeadsLoadError, match="3 heads but 4"):
+    with pytest.raises(HeadsLoadError, match="hold 3 heads but tokenswift.num_heads=4"):
         load_heads(tmp_path / "h", hidden_size=H, num_heads=4)
+    # more heads than configured: the first num_heads are used (dependent heads)
+    two = load_heads(tmp_path / "h", hidden_size=H, num_heads=2)
+    assert two.num_heads == 2
+    x = torch.randn(5, H)
+    full = load_heads(tmp_path / "h", hidden_size=H)
+    for a, b in zip(two(x), full(x)[:2]):
+        torch.testing.assert_close(a, b)
     with pytest.raises(HeadsLoadError, match="not a folder"):
         load_heads(tmp_path / "missing", hidden_size=H)
     (tmp_path / "empty").mkdir()

@@ -1,26 +1,29 @@
-"""`vllm serve` end to end with the bundled demo model, driven by the `openai` client.
+"""`vllm-tokenswift serve` (vLLM's `serve` with the plugin) end to end with the bundled
+demo model, driven by the `openai` client.
 
 Two servers run side by side on 127.0.0.1 (random free ports): plain decoding and
 TokenSwift (through the plugin's `--speculative-model tokenswift` alias). Greedy
 completions and chat completions, streamed and not, with long `max_tokens`, with the
 windowed repetition penalty in `vllm_xargs`, and sent concurrently, must be identical on
-both. /metrics must show the spec-decode acceptance counters for the TokenSwift server,
-and a bad request must be an HTTP 400 that leaves the engine serving.
+both. /metrics must show vLLM's spec-decode acceptance counters and TokenSwift's own
+`vllm_tokenswift:*` counters for the TokenSwift server (and none of them for the plain
+one), and a bad request must be an HTTP 400 that leaves the engine serving.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from server_utils import metric_total, vllm_server
+from server_utils import metric_samples, metric_total, vllm_server
 
 from vllm_tokenswift.assets_cli import DEMO_HEADS, DEMO_MODEL, PROMPTS_DIR
 
 MODEL = "demo"
-COMMON = ["--model", str(DEMO_MODEL), "--served-model-name", MODEL, "--dtype", "float32",
+COMMON = ["--served-model-name", MODEL, "--dtype", "float32",
           "--max-model-len", "4096", "--block-size", "32", "--enforce-eager",
           "--kv-cache-memory-bytes", str(512 * 2**20), "--seed", "0"]
 TOKENSWIFT = ["--speculative-model", "tokenswift", "--tokenswift-heads", str(DEMO_HEADS),
@@ -37,9 +40,10 @@ def _prompts() -> list[str]:
 def servers(tmp_path_factory):
     d = tmp_path_factory.mktemp("serve")
     with contextlib.ExitStack() as stack:
-        ar = stack.enter_context(vllm_server(COMMON, d / "ar.log"))
-        ts = stack.enter_context(vllm_server(COMMON + TOKENSWIFT, d / "ts.log"))
-        yield {"ar": ar, "ts": ts}
+        ar = stack.enter_context(vllm_server(str(DEMO_MODEL), COMMON, d / "ar.log"))
+        ts = stack.enter_context(vllm_server(str(DEMO_MODEL), COMMON + TOKENSWIFT, d / "ts.log",
+                                             env={"VLLM_TOKENSWIFT_METRICS_INTERVAL_S": "0.5"}))
+        yield {"ar": ar, "ts": ts, "ar_log": d / "ar.log", "ts_log": d / "ts.log"}
 
 
 def _client(base):
@@ -154,3 +158,45 @@ def test_bad_request_is_400_and_engine_keeps_serving(servers):
     r2 = c.completions.create(model=MODEL, prompt="The house", max_tokens=16, temperature=1.0,
                               extra_body={"min_p": 0.1, "ignore_eos": True})
     assert r2.usage.completion_tokens == 16
+
+
+def _wait_for(fn, timeout_s=30.0):
+    deadline = time.time() + timeout_s
+    while True:
+        v = fn()
+        if v or time.time() > deadline:
+            return v
+        time.sleep(0.5)
+
+
+def test_tokenswift_counters_on_metrics(servers):
+    prompt = _prompts()[0]
+    before = metric_total(servers["ts"], "vllm_tokenswift:accepted_tokens_total")
+    _complete(servers["ts"], prompt, 400)
+    # the exporter refreshes every 0.5 s here (VLLM_TOKENSWIFT_METRICS_INTERVAL_S)
+    assert _wait_for(lambda: metric_total(servers["ts"], "vllm_tokenswift:accepted_tokens_total") > before)
+    text = requests.get(servers["ts"] + "/metrics", timeout=10).text
+    for fam in ("accepted_tokens", "draft_tokens", "draft_steps", "view_selections", "draft_seconds",
+                "draft_forwards"):
+        assert f"# TYPE vllm_tokenswift:{fam}_total counter" in text, fam
+    acc = metric_samples(servers["ts"], "vllm_tokenswift:accepted_tokens_total")
+    assert set(acc) == {f'{{engine="0",model_name="{MODEL}",source="{s}"}}' for s in ("fused", "heads", "ngram")}
+    steps = metric_samples(servers["ts"], "vllm_tokenswift:draft_steps_total")
+    assert set(steps) == {f'{{engine="0",kind="{k}",model_name="{MODEL}"}}'
+                          for k in ("forward", "fused", "ngram", "none")}
+    assert sum(steps.values()) > 0
+    assert metric_total(servers["ts"], "vllm_tokenswift:draft_seconds_total") > 0
+    # TokenSwift's accepted tokens are a subset of vLLM's count (a request's last
+    # verification is not seen by the proposer when the request ends)
+    vllm_acc = metric_total(servers["ts"], "vllm:spec_decode_num_accepted_tokens_total")
+    assert 0 < sum(acc.values()) <= vllm_acc
+    # plain decoding exports none of them
+    assert "vllm_tokenswift:" not in requests.get(servers["ar"] + "/metrics", timeout=10).text
+
+
+def test_no_misleading_min_p_warning(servers):
+    # vLLM warns that min_p does not work with speculative decoding; on a TokenSwift
+    # engine it does, so the plugin drops that warning (issue 12)
+    log = servers["ts_log"].read_text()
+    assert "EngineCore" in log  # the engine core's output is in this log (where vLLM warns)
+    assert "min_p and logit_bias parameters won't work" not in log

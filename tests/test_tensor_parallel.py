@@ -10,7 +10,7 @@ the ones single-rank TokenSwift selects.
 1. ``test_view_selection_is_rank_consistent`` (fast, always runs): two processes form
    a world-2 vLLM TP group (gloo + vLLM's CPU communicator). Each holds different
    local query/KV heads of the same requests (vLLM's contiguous head sharding) and
-   runs the proposer's own ``_plan_views`` -> ``_importance`` -> ``sum_over_ranks`` ->
+   runs the proposer's own ``_plan_views`` -> ``TargetAccess.importance`` -> ``sum_over_ranks`` ->
    ``ViewPlanner.select`` path. Both ranks must select exactly the block ids that a
    single process with all heads selects; a control shows that per-rank importance
    alone would select different blocks (so the test can fail). It also checks that
@@ -104,17 +104,20 @@ def _fake_proposer(bt, q, kv, rank: int | None, tp_size: int):
             cache = cache[:, rank * hkv:(rank + 1) * hkv]
         local_q[name] = qf.reshape(n, hq * D).contiguous()
         ctx[name] = SimpleNamespace(kv_cache=cache.contiguous())
+    from vllm_tokenswift.draft_forward import TargetAccess
+
     prop = TokenSwiftProposer.__new__(TokenSwiftProposer)
     prop.vllm_config = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=ctx))
     prop.block_size = BS
     prop.tp_size = tp_size
     prop._planner = ViewPlanner(BUDGET, SINK, BS, "dynamic", LAYERS)
-    prop._layer_names = list(LAYER_NAMES)
-    prop._key_layout = "split_last"
-    prop._layout_checked = True
-    prop._probe_key = None
+    prop.access = TargetAccess(prop.vllm_config, BS, 0, tp_size)
+    prop.access.layer_names = list(LAYER_NAMES)
+    prop.access.key_layout = "split_last"
+    prop.access._layout_checked = True
+    prop.access._q = local_q
     prop._step = 2
-    prop._q = local_q
+    prop._last_fwd_step = 1
     prop.stats = TokenSwiftStats()
     states = []
     for r in range(n):
@@ -137,7 +140,8 @@ def _select(bt, q, kv, rank: int | None, tp_size: int):
 
 def _importances(bt, q, kv, rank: int | None):
     prop, runner, states = _fake_proposer(bt, q, kv, rank, 1)
-    return [[a.tolist() for a in prop._importance(runner, r, st, p)]
+    s = prop._planner.sink_blocks
+    return [[a.tolist() for a in prop.access.importance(bt[r, s: p // BS], st.q_row, LAYERS)]
             for r, (st, p) in enumerate(zip(states, POSITIONS))]
 
 
@@ -150,7 +154,7 @@ def _rank_main(rank: int, init_file: str, ident: str, out_dir: str) -> None:
                                       initialize_model_parallel)
 
         from vllm_tokenswift.kv_view import sum_over_ranks
-        from vllm_tokenswift.proposer import _tp_all_gather
+        from vllm_tokenswift.draft_forward import tp_all_gather as _tp_all_gather
 
         with set_current_vllm_config(VllmConfig()):
             init_distributed_environment(world_size=WORLD, rank=rank, local_rank=rank,
@@ -175,23 +179,19 @@ def _rank_main(rank: int, init_file: str, ident: str, out_dir: str) -> None:
 
 def _layout_consensus(kv, rank: int, fail_rank: int | None):
     """Run the proposer's key-layout detection on this rank's cache; ``fail_rank`` has no key."""
-    from vllm_tokenswift.proposer import TokenSwiftProposer
+    from vllm_tokenswift.draft_forward import TargetAccess
 
     hkv = HKV // WORLD
     name = LAYER_NAMES[0]
     cache = kv[name][:, rank * hkv:(rank + 1) * hkv].contiguous()
-    prop = TokenSwiftProposer.__new__(TokenSwiftProposer)
-    prop.vllm_config = SimpleNamespace(compilation_config=SimpleNamespace(
-        static_forward_context={name: SimpleNamespace(kv_cache=cache)}))
-    prop._layer_names = [name]
-    prop.block_size = BS
-    prop.tp_size = WORLD
-    prop._key_layout = None
+    access = TargetAccess(SimpleNamespace(compilation_config=SimpleNamespace(
+        static_forward_context={name: SimpleNamespace(kv_cache=cache)})), BS, 0, WORLD)
+    access.layer_names = [name]
     slot = 37 * BS + 5
     key = cache[37, :, 5, :D].reshape(1, hkv * D)
-    prop._probe_key = None if rank == fail_rank else key
-    prop._detect_layout(slot)
-    return prop._key_layout
+    access._probe_key = None if rank == fail_rank else key
+    access._detect_layout(slot)
+    return access.key_layout
 
 
 def test_view_selection_is_rank_consistent(tmp_path):

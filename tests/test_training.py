@@ -235,7 +235,7 @@ def test_grad_accum_equals_bigger_batch(llama_dir, tmp_path):
     a = train_heads(llama_dir, CORPUS, tmp_path / "a", **{**base, "batch_size": 2, "grad_accum": 1})
     b = train_heads(llama_dir, CORPUS, tmp_path / "b", **{**base, "batch_size": 1, "grad_accum": 2})
     for k, v in a.heads.state_dict_flat().items():
-        torch.testing.assert_close(v, b.heads.state_dict_flat()[k], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(v, b.heads.state_dict_flat()[k], atol=5e-6, rtol=1e-5)  # float rounding
 
 
 # ---------------------------------------------------------------------- errors
@@ -368,3 +368,131 @@ def test_qwen2_trains_and_evaluates(qwen_dir, tmp_path):
     seqs = load_token_sequences(CORPUS, tok, SEQ)[:2]
     ev = evaluate_heads(model, heads, seqs)
     assert ev["chain"]["positions"] == 2 * (SEQ - 4)
+
+
+# ------------------------------------------------------------ self-distillation, sampled acceptance
+def test_distill_loss_matches_manual_soft_cross_entropy():
+    """``distill_norm``: head i at t is trained towards softmax(l_0 at t+i), chunking exact."""
+    torch.manual_seed(1)
+    H, V, B, L = 16, 40, 2, 11
+    lm_head = torch.nn.Linear(H, V, bias=False).requires_grad_(False)
+    norm = torch.nn.LayerNorm(H).requires_grad_(False)
+    h0 = torch.randn(B, L, H)
+    ids = torch.randint(0, V, (B, L))
+
+    def run(chunk):
+        heads = DraftHeads(H, 3, eps=1e-6)
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for p in heads.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+        st = heads_loss(heads, lm_head, h0, ids, chunk_size=chunk, distill_norm=norm)
+        return st, [p.grad.clone() for p in heads.parameters()], heads
+
+    ref, gref, heads = run(None)
+    with torch.no_grad():
+        outs = heads(h0.reshape(-1, H))
+        base = torch.softmax(lm_head(norm(h0)), -1)                     # [B, L, V]
+    manual = 0.0
+    for i, o in enumerate(outs, start=1):                               # head i predicts t+1+i
+        logq = torch.log_softmax(lm_head(o).reshape(B, L, V)[:, : L - 1 - i], -1)
+        p = base[:, i: L - 1]                                           # l_0 at t+i
+        manual += (-(p * logq).sum(-1)).mean().item()
+    assert ref.count == [B * (L - 2), B * (L - 3), B * (L - 4)]
+    assert ref.loss == pytest.approx(manual, abs=1e-5)
+    for chunk in (1, 4, 9, 22):
+        st, g, _ = run(chunk)
+        assert st.loss == pytest.approx(ref.loss, abs=1e-5)
+        for a, b in zip(g, gref):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_window_presence_and_sampling_probs():
+    from vllm_tokenswift.training.evaluate import SamplingSpec, sampling_probs, window_presence
+
+    ids = torch.tensor([3, 1, 3, 2, 0, 4, 4, 1])
+    pres = window_presence(ids, 2, 8, 6, window=3)
+    for r, t in enumerate(range(2, 8)):
+        want = set(ids[max(0, t - 2): t + 1].tolist())
+        assert set(torch.nonzero(pres[r]).flatten().tolist()) == want
+    allp = window_presence(ids, 0, 8, 6, window=0)
+    assert set(torch.nonzero(allp[7]).flatten().tolist()) == {0, 1, 2, 3, 4}
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.9]])
+    spec = SamplingSpec(temperature=1.0, min_p=0.3, repetition_penalty=2.0, window=4)
+    p = sampling_probs(logits, torch.tensor([[True, True, False, False]]), spec)
+    # penalised logits [1.0, -2.0, 0.5, 1.9]; softmax; min_p 0.3 of the max drops -2.0 and 0.5
+    raw = torch.softmax(torch.tensor([1.0, -2.0, 0.5, 1.9]), -1)
+    keep = raw >= 0.3 * raw.max()
+    want = raw * keep / (raw * keep).sum()
+    torch.testing.assert_close(p[0], want)
+    assert keep.tolist() == [True, False, False, True]
+
+
+def test_q_acceptance_of_zero_and_trained_heads(trained, llama_dir):
+    """Σ min(p, q): 1 for l_0 (q = p); for every head equal to a direct computation."""
+    from vllm_tokenswift.training.evaluate import SamplingSpec, sampling_probs, window_presence
+
+    model, tok = load_base_model(llama_dir)
+    seqs = load_token_sequences(CORPUS, tok, 40)[:2]
+    spec = SamplingSpec(temperature=0.8, min_p=0.05, repetition_penalty=1.3, window=8)
+    heads = trained.heads.cpu().eval()
+    res = evaluate_heads(model, heads, seqs, chunk_size=16, sampling=spec)
+    assert res["distributions"][0]["q_acceptance"] == pytest.approx(1.0)
+    # direct computation, position by position
+    tot = [0.0] * 4
+    cnt = [0] * 4
+    with torch.no_grad():
+        for ids in seqs:
+            h0 = base_hidden_states(model, ids[None])[0]
+            L = ids.numel()
+            pres = window_presence(ids, 0, L, VOCAB, spec.window)
+            p_all = sampling_probs(model.lm_head(model.model.norm(h0)), pres, spec)
+            outs = heads(h0)
+            for j in range(4):
+                q = p_all if j == 0 else sampling_probs(model.lm_head(outs[j - 1]), pres, spec)
+                for t in range(L - 1):
+                    if t + j < L:
+                        tot[j] += float(torch.minimum(p_all[t + j], q[t]).sum())
+                        cnt[j] += 1
+    for j in range(4):
+        assert res["distributions"][j]["q_acceptance"] == pytest.approx(tot[j] / cnt[j], abs=1e-5)
+    s = res["sampling"]
+    a = [d["q_acceptance"] for d in res["distributions"]]
+    assert 0.0 < s["expected_accepted_fused"] < s["expected_accepted_forward"] <= 4.0
+    assert s["expected_accepted_forward"] >= 1.0  # l_0 (q = p) is always accepted
+    assert s["expected_accepted_fused"] <= a[1] * 3
+    # zero heads (W = 0, post-norm = final norm): every head repeats l_0 exactly
+    zero = DraftHeads(64, 3, eps=model.config.rms_norm_eps).init_from_base(model.model.norm.weight)
+    zres = evaluate_heads(model, zero, seqs, sampling=None)
+    assert [round(d["top1"] * d["positions"]) for d in zres["distributions"][1:]] == \
+        [_argmax_hits(model, seqs, shift) for shift in (2, 3, 4)]
+
+
+def _argmax_hits(model, seqs, shift):
+    """Top-1 hits of argmax l_0 at t against the token t+shift."""
+    hits = 0
+    with torch.no_grad():
+        for ids in seqs:
+            am = model(ids[None]).logits[0].argmax(-1)
+            hits += int((am[: ids.numel() - shift] == ids[shift:]).sum())
+    return hits
+
+
+def test_eval_cli_resolves_model_names_and_yarn(capsys):
+    """``--model tiny`` is the bundled demo model with its bundled heads; ``--yarn`` builds
+    the model with the YaRN overrides (window x factor)."""
+    from vllm_tokenswift.cli import main
+
+    rc = main(["eval-heads", "--model", "tiny", "--data", str(CORPUS), "--seq-len", "64", "--max-docs", "2",
+               "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "q-accept" in out and "l_3 (head 3)" in out
+    rc = main(["eval-heads", "--model", "tiny", "--heads", "zero", "--data", str(CORPUS), "--seq-len", "64",
+               "--max-docs", "2", "--yarn", "2", "--no-progress"])
+    assert rc == 0
+    from vllm_tokenswift.models import resolve_target, yarn_overrides
+    from vllm_tokenswift.training.trainer import inspect_base_model
+
+    model, heads = resolve_target("tiny")
+    cfg = inspect_base_model(model, 100, yarn_overrides(model, 2))
+    assert cfg.rope_parameters["rope_type"] == "yarn" and cfg.max_position_embeddings == 2 * 20480

@@ -37,15 +37,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm_tokenswift.ngram import NGramTable
 
 #: weight λ of the draft distribution against the n-gram frequency
 DEFAULT_MIX = 0.5
 
-SOURCE_HEADS = 0
-SOURCE_NGRAM = 1
+SOURCE_HEADS = 0   # l_0..l_3 of the draft forward
+SOURCE_NGRAM = 1   # n-gram table
+SOURCE_FUSED = 2   # heads applied to the verification forward's hidden state (no draft forward)
 
 
 @dataclass
@@ -54,14 +55,24 @@ class Chain:
 
     Attributes:
         tokens: draft token ids ``c_1..c_L`` (L <= max_len).
-        sources: per token, :data:`SOURCE_HEADS` or :data:`SOURCE_NGRAM` (which
-            predictor put it in the chain; for metrics: n-gram acceptance β).
+        sources: per token, :data:`SOURCE_HEADS`, :data:`SOURCE_FUSED` or
+            :data:`SOURCE_NGRAM` (which predictor put it in the chain; for metrics:
+            n-gram acceptance β, and for the policy's calibration).
         expected_len: the estimator's expected accepted length E[accepted].
+        confs: per token, the estimator's own acceptance estimate ``q_i`` (the
+            drafting policy calibrates it against measured acceptance); may be empty
+            for chains built by :func:`select_chain`.
     """
 
     tokens: list[int]
     sources: list[int]
     expected_len: float
+    confs: list[float] = field(default_factory=list)
+
+    def truncate(self, n: int) -> "Chain":
+        """Keep the first ``n`` tokens (in place); returns self."""
+        del self.tokens[n:], self.sources[n:], self.confs[n:]
+        return self
 
 
 def score_chain(chain: Sequence[int], context: list[int], prob: Callable[[int, int], float | None],
@@ -215,5 +226,162 @@ def extend_chain(chain: Chain, context: list[int], table: NGramTable, max_len: i
 def ngram_chain(context: list[int], table: NGramTable, max_len: int, min_conf: float) -> Chain:
     """Chain from the n-gram table alone (no draft forward): the most frequent
     continuation of the last ``n-1`` tokens, repeatedly, while ``Π f_i >= min_conf``.
-    ``expected_len`` is ``Σ_j Π_{i<=j} f_i``."""
-    return extend_chain(Chain([], [], 0.0), context, table, max_len, min_conf)
+    ``expected_len`` is ``Σ_j Π_{i<=j} f_i``; ``confs`` holds each ``f_i``."""
+    chain = Chain([], [], 0.0)
+    m = table.n - 1
+    ext = list(context[-m:])
+    cum = 1.0
+    while len(chain.tokens) < max_len:
+        nxt = table.best_next(ext)
+        if nxt is None:
+            break
+        tok, f = nxt
+        if cum * f < min_conf:
+            break
+        cum *= f
+        chain.expected_len += cum
+        chain.tokens.append(tok)
+        chain.sources.append(SOURCE_NGRAM)
+        chain.confs.append(f)
+        ext.append(tok)
+    return chain
+
+
+# ------------------------------------------------------------------ fast path (adaptive policy)
+def backoff_frequencies(grams: Sequence[tuple[tuple[int, ...], int]]) -> dict[tuple[int, ...], float]:
+    """For every prefix ``g_1..g_i`` (i >= 2) of the retrieved n-grams, the frequency
+    ``S(g_1..g_i) / S(g_1..g_{i-1})`` (``S`` sums counts of retrieved n-grams with that
+    prefix): :func:`within_frequencies` for all grams at once, in O(k·n) instead of
+    O(k²·n)."""
+    sums: dict[tuple[int, ...], int] = {}
+    for g, c in grams:
+        for i in range(1, len(g) + 1):
+            pre = g[:i]
+            sums[pre] = sums.get(pre, 0) + c
+    out = {}
+    for pre, s_i in sums.items():
+        if len(pre) >= 2:
+            den = sums.get(pre[:-1], 0)
+            out[pre] = s_i / den if den else 0.0
+    return out
+
+
+def build_chain(context: Sequence[int], top_tokens: Sequence[Sequence[int]],
+                prob: Callable[[int, int], float | None], table: NGramTable | None,
+                grams: Sequence[Sequence[tuple[tuple[int, ...], int]]], max_len: int,
+                source: int = SOURCE_HEADS, mix: float = DEFAULT_MIX, min_conf: float = 0.05,
+                skip_first_gram: Sequence[bool] = ()) -> Chain:
+    """Best draft chain from ``D`` draft distributions plus n-gram candidates, in
+    O(D·w + k·n) dictionary lookups (the adaptive policy's chain builder).
+
+    Tree part: depth by depth, the candidate (among the top ``w`` of ``l_d``) with the
+    highest estimate ``q = λ·p_d(c) + (1-λ)·f(c | ctx)`` (``q = p_d(c)`` where the
+    n-gram context was never seen) given the tokens chosen so far. Maximising each
+    ``q_i`` in turn maximises ``E = Σ_j Π_{i<=j} q_i`` whenever the n-gram term does
+    not change the order, which is the usual case; the paper's exhaustive search
+    over the ``[1, 3, 3, 3]`` tree is :func:`select_chain` (``policy="paper"``).
+    N-gram part: every retrieved n-gram is scored like :func:`score_chain`, with the
+    back-off frequencies of :func:`backoff_frequencies`. The best chain is then
+    extended with the table's most frequent continuations while ``Π q_i >= min_conf``
+    (the policy cuts it further with calibrated estimates).
+
+    Args:
+        context: request tokens up to the newest token ``x``.
+        top_tokens: per depth d, candidate tokens of ``l_d`` (most probable first).
+        prob: ``prob(d, token)`` -> ``p_d(token)`` or None.
+        table: the request's n-gram table (None: no n-grams).
+        grams: per n-gram group, ``table.topk(first, k)`` (retrieved once per step).
+        max_len: longest chain.
+        source: the source recorded for tree tokens (heads of the draft forward or
+            fused heads).
+        skip_first_gram: per group, True when its n-grams start with ``x`` itself
+            (the chain is their tail), False when they start with the first draft.
+    Returns:
+        :class:`Chain` with ``confs`` = the per-token ``q_i``.
+    """
+    D = len(top_tokens)
+    m = table.n - 1 if table is not None else 0
+    tail = list(context[-m:]) if m else []
+
+    def f_of(ctx_tail, tok):
+        if not m:
+            return None
+        ctx = tuple(ctx_tail[-m:])
+        cnt = table.ctx_counts.get(ctx) if len(ctx) == m else None
+        return table.counts.get(ctx + (tok,), 0) / cnt if cnt else None
+
+    def mixq(p, f):
+        if p is None:
+            return f if f is not None else 0.0
+        return p if f is None else mix * p + (1.0 - mix) * f
+
+    # tree part: greedy by depth
+    toks: list[int] = []
+    qs: list[float] = []
+    for d in range(min(D, max_len)):
+        best_t, best_q = None, -1.0
+        for tok in top_tokens[d]:
+            q = mixq(prob(d, tok), f_of(tail, tok))
+            if q > best_q:
+                best_t, best_q = tok, q
+        if best_t is None:
+            break
+        toks.append(int(best_t))
+        qs.append(best_q)
+        tail.append(int(best_t))
+    best = (toks, qs, source)
+    best_e = _expected(qs)
+
+    # n-gram part
+    if table is not None:
+        for gi, group in enumerate(grams):
+            if not group:
+                continue
+            skip = skip_first_gram[gi] if gi < len(skip_first_gram) else False
+            freq = backoff_frequencies(group)
+            for gram, _cnt in group:
+                cand = list(gram[1:] if skip else gram)[:max_len]
+                ctx_tail = list(context[-m:])
+                cq = []
+                for i, tok in enumerate(cand):
+                    f = f_of(ctx_tail, tok)
+                    if f is None:
+                        pre = tuple(gram[: i + 2]) if skip else tuple(gram[: i + 1])
+                        f = freq.get(pre) if len(pre) >= 2 else None
+                    cq.append(mixq(prob(i, tok) if i < D else None, f))
+                    ctx_tail.append(tok)
+                e = _expected(cq)
+                if e > best_e:
+                    best, best_e = (cand, cq, SOURCE_NGRAM), e
+    toks, qs, src = best
+    chain = Chain(list(toks), [src] * len(toks), best_e, list(qs))
+    if table is not None and len(chain.tokens) < max_len:
+        cum = 1.0
+        for q in qs:
+            cum *= q
+        ext = (list(context[-m:]) + chain.tokens)[-m:]
+        while len(chain.tokens) < max_len:
+            nxt = table.best_next(ext)
+            if nxt is None:
+                break
+            tok, f = nxt
+            d = len(chain.tokens)
+            q = mixq(prob(d, tok) if d < D else None, f)
+            if cum * q < min_conf:
+                break
+            cum *= q
+            chain.expected_len += cum
+            chain.tokens.append(tok)
+            chain.sources.append(SOURCE_NGRAM)
+            chain.confs.append(q)
+            ext.append(tok)
+            ext = ext[-m:]
+    return chain
+
+
+def _expected(qs: Sequence[float]) -> float:
+    cum, tot = 1.0, 0.0
+    for q in qs:
+        cum *= q
+        tot += cum
+    return tot

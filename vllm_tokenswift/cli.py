@@ -13,6 +13,8 @@ import sys
 #: sub-command name -> module with ``add_parser(subparsers)`` that sets ``func``.
 SUBCOMMANDS = {
     "paths": "vllm_tokenswift.assets_cli",
+    "fetch-model": "vllm_tokenswift.assets_cli",
+    "serve": "vllm_tokenswift.serve",
     "generate": "vllm_tokenswift.generate",
     "demo": "vllm_tokenswift.generate",
     "train-heads": "vllm_tokenswift.training.cli",

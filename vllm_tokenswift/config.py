@@ -10,9 +10,11 @@ Users write::
 The plugin (``vllm_tokenswift.plugin``) validates the nested dict with
 :class:`TokenSwiftConfig` in the front-end process, before vLLM builds its own
 ``SpeculativeConfig``, so a bad value fails at engine start with a message that
-names the field. Block-size dependent checks run again in the worker when the
-proposer is built (:meth:`TokenSwiftConfig.check_block_size`), still before
-any request is served.
+names the field. Once vLLM has finished its ``VllmConfig`` (KV block size,
+``max_model_len``), :meth:`TokenSwiftConfig.check_engine` checks the settings against
+it and the model, still in the front end (``plugin.check_engine_config``), before
+any engine-core or worker process starts. The worker checks the block size again
+when the proposer is built.
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ ADDITIONAL_CONFIG_KEY = "tokenswift"
 
 #: Number of dependent draft heads of a TokenSwift checkpoint (paper Sec 3.2).
 DEFAULT_NUM_HEADS = 3
+
+#: Upper bounds of the settings that size per-step work (chain selection scores
+#: every tree path and every retrieved n-gram of every request, every step).
+MAX_NGRAM_TOPK = 64
+MAX_TREE_WIDTH = 8
+MAX_TREE_PATHS = 256
 
 
 class TokenSwiftConfigError(ValueError):
@@ -65,12 +73,17 @@ class TokenSwiftConfig(BaseModel):
         ngram_min_conf: Chains longer than ``num_heads + 1`` tokens are extended
             with n-gram continuations only while each extra token's estimated
             acceptance probability is at least this value.
-        skip_draft_conf: Adaptive drafting. When the n-gram table alone predicts a
-            chain whose expected accepted length is at least this fraction of
-            ``num_speculative_tokens``, the request skips the draft forward that step and
-            proposes that chain (lossless like any chain; saves a forward of the target
-            where the text repeats). ``1.01`` always runs the draft forward (the paper's
-            behaviour).
+        policy: ``"adaptive"`` (default): every step and for every request the drafting
+            policy (``vllm_tokenswift.policy``) picks the option with the highest expected
+            generated tokens per second, from step costs and acceptance measured while
+            the engine runs: the draft forward over the budgeted view, fused heads (no
+            extra forward; heads applied to the verification forward's hidden state),
+            an n-gram chain alone, or no draft; and the chain length. ``"paper"``: the
+            draft forward every step with the paper's chain (ablations). ``"cycle"``
+            (diagnostics and tests): every request rotates through the four options
+            step by step, so one generation switches between all of them.
+        fused_heads: Allow the fused-heads option under ``policy="adaptive"``
+            (beyond the paper; off for the ablation).
         heads: Path of the heads checkpoint (taken from the speculative config's
             ``"model"``); ``None`` only when ``use_heads`` is false.
         num_speculative_tokens: Longest chain proposed per step (from the
@@ -84,15 +97,16 @@ class TokenSwiftConfig(BaseModel):
 
     kv_budget: int = Field(4096, ge=1)
     sink_tokens: int = Field(16, ge=0)
-    ngram_n: int = Field(4, ge=2, le=16)
-    ngram_topk: int = Field(20, ge=0, le=1000)
+    ngram_n: int = Field(4, ge=2, le=8)
+    ngram_topk: int = Field(20, ge=0, le=MAX_NGRAM_TOPK)
     tree: list[int] = Field(default_factory=lambda: [1, 3, 3, 3])
     draft_kv: Literal["dynamic", "static", "full"] = "dynamic"
-    view_granularity: Literal["layer", "shared"] = "layer"
+    view_granularity: Literal["layer", "shared"] = "shared"
     use_heads: bool = True
     draft_penalty: bool = True
     ngram_min_conf: float = Field(0.3, ge=0.0, le=1.0)
-    skip_draft_conf: float = Field(0.75, ge=0.0, le=1.01)
+    policy: Literal["adaptive", "paper", "cycle"] = "adaptive"
+    fused_heads: bool = True
     heads: str | None = None
     num_speculative_tokens: int = Field(4, ge=1, le=64)
     num_heads: int = Field(DEFAULT_NUM_HEADS, ge=0, le=16)
@@ -103,8 +117,14 @@ class TokenSwiftConfig(BaseModel):
     def _tree_positive(cls, v: list[int]) -> list[int]:
         if not v:
             raise ValueError("tree must list at least one candidate count (for l_0)")
-        if any(int(c) < 1 for c in v):
-            raise ValueError(f"tree entries must be >= 1, got {v}")
+        if any(int(c) < 1 or int(c) > MAX_TREE_WIDTH for c in v):
+            raise ValueError(f"tree entries must be between 1 and {MAX_TREE_WIDTH}, got {v}")
+        paths = 1
+        for c in v:
+            paths *= int(c)
+        if paths > MAX_TREE_PATHS:
+            raise ValueError(f"tree {v} has {paths} paths; at most {MAX_TREE_PATHS} are scored per "
+                             f"request and step (e.g. [1, 3, 3, 3] has 27)")
         return [int(c) for c in v]
 
     @model_validator(mode="after")
@@ -127,23 +147,79 @@ class TokenSwiftConfig(BaseModel):
         """Distributions one draft forward yields: ``l_0`` plus one per used head."""
         return 1 + (self.num_heads if self.use_heads else 0)
 
+    def min_kv_budget(self, block_size: int) -> int:
+        """Smallest valid ``kv_budget`` for ``block_size``: the sink blocks plus one
+        selected block plus the newest token's block."""
+        sink_blocks = -(-self.sink_tokens // block_size)
+        return (sink_blocks + 2) * block_size
+
     def check_block_size(self, block_size: int) -> None:
-        """Check the budget against the KV block size (run at worker start-up).
+        """Check the budget and the sink against the KV block size.
+
+        Run in the front end when the engine is created (:meth:`check_engine`) and again
+        in the worker when the proposer is built.
 
         Raises:
             TokenSwiftConfigError: if ``kv_budget`` cannot hold the sink blocks plus
-                at least two more blocks (one selected, one recent).
+                at least two more blocks (one selected, one recent); the message names
+                the smallest valid ``kv_budget``.
         """
         if self.draft_kv == "full":
             return
-        sink_blocks = -(-self.sink_tokens // block_size)
-        need = (sink_blocks + 2) * block_size
+        need = self.min_kv_budget(block_size)
         if self.kv_budget < need:
+            sink_blocks = need // block_size - 2
             raise TokenSwiftConfigError(
                 f"tokenswift.kv_budget={self.kv_budget} is too small for block_size={block_size} "
-                f"and sink_tokens={self.sink_tokens}: the draft view needs at least {need} tokens "
-                f"(sink blocks + one selected block + the newest token's block)"
-            )
+                f"and sink_tokens={self.sink_tokens}: the draft view needs the sink "
+                f"({sink_blocks} block{'s' if sink_blocks != 1 else ''}) + one selected block + the "
+                f"newest token's block. The smallest valid kv_budget is {need} (KV blocks are "
+                f"{block_size} tokens here; vLLM's default block size is 16 on CUDA and 128 on CPU)")
+
+    def check_max_model_len(self, max_model_len: int, block_size: int | None = None) -> None:
+        """Check the budget against the engine's ``max_model_len``.
+
+        Raises:
+            TokenSwiftConfigError: ``kv_budget`` larger than ``max_model_len`` (the view
+                could never be smaller than the full KV cache; the message names the
+                largest valid value), or a block size whose smallest valid budget does
+                not fit in ``max_model_len``.
+        """
+        if self.draft_kv == "full":
+            return
+        if block_size is not None and self.min_kv_budget(block_size) > max_model_len:
+            raise TokenSwiftConfigError(
+                f"no tokenswift.kv_budget fits max_model_len={max_model_len} with block_size="
+                f"{block_size} and sink_tokens={self.sink_tokens}: the smallest valid budget is "
+                f"{self.min_kv_budget(block_size)}. Lower sink_tokens, use a smaller block size, raise "
+                "max_model_len, or set draft_kv=\"full\"")
+        if self.kv_budget > max_model_len:
+            raise TokenSwiftConfigError(
+                f"tokenswift.kv_budget={self.kv_budget} is larger than max_model_len={max_model_len}: "
+                "the draft view would always be the whole KV cache. The largest valid kv_budget is "
+                f"{max_model_len} (e.g. {max(256, max_model_len // 4)}); or set draft_kv=\"full\" to "
+                "draft over the full cache")
+
+    def check_heads_info(self, info, hidden_size: int) -> None:
+        """Check a heads checkpoint's declared shape (``heads.HeadsInfo``) against the
+        target and the settings, with the same rule as ``heads.load_heads`` in the worker:
+        equal hidden size, and at least ``num_heads`` heads (a checkpoint with more heads
+        is used through its first ``num_heads``).
+
+        Raises:
+            TokenSwiftConfigError: naming the mismatch and the valid setting.
+        """
+        if info.hidden_size != hidden_size:
+            raise TokenSwiftConfigError(
+                f"TokenSwift heads in {self.heads!r} have hidden size {info.hidden_size}, the target "
+                f"model has {hidden_size}: the heads were trained for another model (train heads "
+                "for this one with `vllm-tokenswift train-heads`)")
+        if info.num_heads < self.num_heads:
+            raise TokenSwiftConfigError(
+                f"TokenSwift heads in {self.heads!r} hold {info.num_heads} heads but "
+                f"tokenswift.num_heads={self.num_heads}: the largest valid num_heads is "
+                f"{info.num_heads} (with a tree of num_heads + 1 entries, e.g. "
+                f"{[1] + [3] * info.num_heads})")
 
     def check_model(self, *, hidden_size: int, max_model_len: int) -> None:
         """Check the settings against the target model (run in the front end, at engine
@@ -154,16 +230,11 @@ class TokenSwiftConfig(BaseModel):
             max_model_len: the engine's resolved ``max_model_len`` (tokens).
 
         Raises:
-            TokenSwiftConfigError: ``kv_budget`` larger than ``max_model_len`` (the
-                budgeted view could never be smaller than the full KV cache), or a heads
+            TokenSwiftConfigError: ``kv_budget`` larger than ``max_model_len``, or a heads
                 checkpoint that is missing, malformed, trained for another hidden size,
-                or has fewer heads than ``num_heads``.
+                or holds fewer heads than ``num_heads``.
         """
-        if self.draft_kv != "full" and self.kv_budget > max_model_len:
-            raise TokenSwiftConfigError(
-                f"tokenswift.kv_budget={self.kv_budget} is larger than max_model_len={max_model_len}: "
-                "the draft view would always be the whole KV cache. Lower kv_budget (e.g. "
-                f"{max(256, max_model_len // 4)}) or set draft_kv=\"full\" to draft over the full cache")
+        self.check_max_model_len(max_model_len)
         if not (self.use_heads and self.num_heads > 0):
             return
         from vllm_tokenswift.heads import inspect_heads
@@ -172,15 +243,34 @@ class TokenSwiftConfig(BaseModel):
             info = inspect_heads(self.heads)
         except (ValueError, OSError, KeyError) as e:  # HeadsLoadError and bad JSON are ValueErrors
             raise TokenSwiftConfigError(f"TokenSwift heads checkpoint (speculative \"model\"): {e}") from None
-        if info.hidden_size != hidden_size:
+        self.check_heads_info(info, hidden_size)
+
+    def check_attention(self, hf_text_config) -> None:
+        """Refuse models with sliding-window or hybrid attention (the budgeted view
+        assumes every layer keeps the whole context in full-attention KV blocks).
+
+        Raises:
+            TokenSwiftConfigError: the model has non-full-attention layers.
+        """
+        layer_types = getattr(hf_text_config, "layer_types", None) or []
+        if getattr(hf_text_config, "use_sliding_window", False) or any(
+                t != "full_attention" for t in layer_types):
             raise TokenSwiftConfigError(
-                f"TokenSwift heads in {self.heads!r} have hidden size {info.hidden_size}, the target "
-                f"model has {hidden_size}: the heads were trained for another model (train heads "
-                "for this one with `vllm-tokenswift train-heads`)")
-        if info.num_heads < self.num_heads:
-            raise TokenSwiftConfigError(
-                f"TokenSwift heads in {self.heads!r} hold {info.num_heads} heads but "
-                f"tokenswift.num_heads={self.num_heads}")
+                "TokenSwift supports full-attention decoder models only (this model uses "
+                "sliding-window or hybrid attention layers)")
+
+    def check_engine(self, *, block_size: int, max_model_len: int, hidden_size: int) -> None:
+        """Every check against the engine's resolved settings: a budget that can fit
+        ``max_model_len`` at all, the budget against the block size and the sink, the
+        budget against ``max_model_len``, then the heads.
+
+        Raises:
+            TokenSwiftConfigError: from :meth:`check_block_size`,
+                :meth:`check_max_model_len` or :meth:`check_model`.
+        """
+        self.check_max_model_len(max_model_len, block_size)
+        self.check_block_size(block_size)
+        self.check_model(hidden_size=hidden_size, max_model_len=max_model_len)
 
     @classmethod
     def from_speculative_dict(cls, spec: dict[str, Any]) -> "TokenSwiftConfig":

@@ -77,9 +77,10 @@ class DraftHead(nn.Module):
 class DraftHeads(nn.Module):
     """γ dependent draft heads on the target's pre-final-norm hidden state (Sec 3.2).
 
-    A fresh instance has ``W_i = 0`` and norm weights 1, so head ``i`` then
-    reproduces ``RMSNorm(h_0)`` (the base next-token prediction, up to the norm
-    weights).
+    A fresh instance has ``W_i = 0`` and norm weights 1; after
+    :meth:`init_from_base` (post-norm weights = the target's final-norm weight) every
+    head reproduces the base next-token prediction ``l_0`` exactly ("zero heads"),
+    which is where training starts.
 
     Args:
         hidden_size: H of the target model.
@@ -96,6 +97,26 @@ class DraftHeads(nn.Module):
     @property
     def num_heads(self) -> int:
         return len(self.heads)
+
+    @torch.no_grad()
+    def init_from_base(self, final_norm_weight: torch.Tensor) -> "DraftHeads":
+        """Set every head's post-norm weight to the target's final-norm weight ``[H]``.
+
+        With ``W_i = 0`` each head then outputs ``FinalNorm(h_0)``, so ``l_i = l_0``: the
+        untrained heads predict exactly what the base model predicts. Real models have
+        final-norm weights far from 1 (SmolLM2-135M: mean 1.8, range -2.1..3.3), so
+        starting from norm weights 1 would start from a distribution the LM head was
+        never trained on. Returns ``self``.
+
+        Raises:
+            ValueError: ``final_norm_weight`` is not ``[hidden_size]``.
+        """
+        w = final_norm_weight.detach().reshape(-1)
+        if w.numel() != self.hidden_size:
+            raise ValueError(f"final norm weight has {w.numel()} entries, hidden size is {self.hidden_size}")
+        for hd in self.heads:
+            hd.post_layernorm.copy_(w.to(hd.post_layernorm.device, hd.post_layernorm.dtype))
+        return self
 
     def forward(self, h0: torch.Tensor) -> list[torch.Tensor]:
         """Post-normed hidden states of every head.
@@ -288,7 +309,9 @@ def load_heads(path: str | os.PathLike, *, hidden_size: int, num_heads: int | No
     Args:
         path: folder (project format or TokenSwift model folder).
         hidden_size: the target's hidden size H.
-        num_heads: expected head count (None: whatever the checkpoint has).
+        num_heads: heads to use (None: all the checkpoint has). A checkpoint with more
+            heads than that loads its first ``num_heads`` (the heads are dependent:
+            head i only reads heads 1..i-1, so a prefix of them is a valid set).
         eps: the target's ``rms_norm_eps`` (used when the checkpoint has none).
         dtype: dtype to run the heads in (the target's dtype).
         device: where to put the heads.
@@ -296,8 +319,8 @@ def load_heads(path: str | os.PathLike, *, hidden_size: int, num_heads: int | No
     Returns:
         :class:`DraftHeads` in eval mode, ``requires_grad`` off.
     Raises:
-        HeadsLoadError: on a hidden-size, head-count or (strict) dtype mismatch, or
-            missing tensors.
+        HeadsLoadError: on a hidden-size or (strict) dtype mismatch, fewer heads than
+            ``num_heads``, or missing tensors.
     """
     info = inspect_heads(path)
     if info.hidden_size != hidden_size:
@@ -305,11 +328,12 @@ def load_heads(path: str | os.PathLike, *, hidden_size: int, num_heads: int | No
             f"heads in {path} have hidden size {info.hidden_size} but the target model has "
             f"{hidden_size}: they were trained for another model"
         )
-    if num_heads is not None and info.num_heads != num_heads:
+    if num_heads is not None and info.num_heads < num_heads:
         raise HeadsLoadError(
-            f"heads in {path} have {info.num_heads} heads but {num_heads} are configured "
-            f"(tokenswift.num_heads / tree length)"
+            f"heads in {path} hold {info.num_heads} heads but tokenswift.num_heads={num_heads} "
+            f"(use num_heads <= {info.num_heads}, with a tree of num_heads + 1 entries)"
         )
+    use = info.num_heads if num_heads is None else num_heads
     if strict_dtype and info.dtype != dtype:
         raise HeadsLoadError(f"heads in {path} are {info.dtype}, target runs in {dtype}")
     p = Path(path)
@@ -319,7 +343,7 @@ def load_heads(path: str | os.PathLike, *, hidden_size: int, num_heads: int | No
         tensors = load_file(str(p / HEADS_WEIGHTS_NAME))
     else:
         tensors = _read_medusa_tensors(p, info.num_heads)
-    heads = DraftHeads(hidden_size, info.num_heads, eps=info.eps if info.eps is not None else eps)
+    heads = DraftHeads(hidden_size, use, eps=info.eps if info.eps is not None else eps)
     heads.load_flat(tensors)
     heads = heads.to(device=device, dtype=dtype).eval()
     for prm in heads.parameters():

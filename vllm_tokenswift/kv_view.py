@@ -59,6 +59,10 @@ class RequestView:
     ranking: list[np.ndarray] | None = None
     selections: int = 0
     pending_selection: bool = False
+    #: ``(last block, middle count) -> per-group block arrays`` of the latest plan: the
+    #: view's blocks only change when the newest token enters a new block or the view is
+    #: re-selected, so :meth:`ViewPlanner.plan` reuses them (no re-sort per step).
+    cached: tuple | None = None
 
 
 @dataclass
@@ -138,11 +142,13 @@ class ViewPlanner:
                 return ViewPlan([np.arange(n_ctx_blocks, dtype=np.int64)], pos + 1, full=True,
                                 needs_selection=True)
             recent = np.arange(st.recent_start, last + 1, dtype=np.int64)
-        sink = np.arange(s, dtype=np.int64)
-        views = []
-        for rank in st.ranking:
-            mid = np.sort(rank[:middle_n])
-            views.append(np.concatenate([sink, mid, recent]))
+        key = (last, middle_n, st.selections)
+        if st.cached is not None and st.cached[0] == key:
+            views = st.cached[1]
+        else:
+            sink = np.arange(s, dtype=np.int64)
+            views = [np.concatenate([sink, np.sort(rank[:middle_n]), recent]) for rank in st.ranking]
+            st.cached = (key, views)
         seq_len = (len(views[0]) - 1) * bs + seq_tail
         return ViewPlan(views, seq_len)
 
@@ -196,9 +202,8 @@ def block_importance(q: torch.Tensor, keys: torch.Tensor, num_valid_tokens: int 
     hq = q.shape[0]
     if hq % hkv:
         raise ValueError(f"{hq} query heads do not group over {hkv} KV heads")
-    qg = q.float().view(hkv, hq // hkv, d).sum(1)  # [H_kv, D]
-    k = keys.float().permute(1, 0, 2, 3).reshape(hkv, nb * bs, d)  # [H_kv, N*bs, D]
-    scores = torch.einsum("hd,hnd->hn", qg, k) / math.sqrt(d)
+    qg = q.float().view(hkv, hq // hkv, d).sum(1).to(keys.dtype)  # [H_kv, D], the cache's dtype
+    scores = torch.einsum("hd,nhbd->hnb", qg, keys).float().reshape(hkv, nb * bs) / math.sqrt(d)
     if num_valid_tokens is not None and num_valid_tokens < nb * bs:
         scores[:, num_valid_tokens:] = float("-inf")
     probs = torch.softmax(scores, dim=-1)
@@ -266,29 +271,30 @@ def keys_cpu_vec(kv: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     (block, head) chunk of ``2·bs·D`` elements holds K transposed ``[D, bs]``
     followed by V ``[bs, D]``.
 
-    Returns ``[len(block_ids), H_kv, bs, D]`` (a copy).
+    Returns ``[len(block_ids), H_kv, bs, D]`` (a transposed view of a copy of the K
+    halves only; V is not read).
     """
-    _, h, bs, two_d = kv.shape
+    nb, h, bs, two_d = kv.shape
     d = two_d // 2
-    chunk = kv[block_ids].reshape(len(block_ids), h, 2 * bs * d)
-    return chunk[..., : bs * d].reshape(len(block_ids), h, d, bs).transpose(-1, -2)
+    k_half = kv.view(nb, h, 2, bs * d).select(2, 0)          # view: K^T of every (block, head)
+    return k_half.index_select(0, block_ids).view(len(block_ids), h, d, bs).transpose(-1, -2)
 
 
 def keys_split_last(kv: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """Keys from a ``[num_blocks, H_kv, bs, 2D]`` cache whose last dim is ``[K | V]``
-    (FlashAttention-style). Returns ``[len(block_ids), H_kv, bs, D]``."""
+    (FlashAttention-style). Returns ``[len(block_ids), H_kv, bs, D]`` (K only is copied)."""
     d = kv.shape[-1] // 2
-    return kv[block_ids][..., :d]
+    return kv[..., :d].index_select(0, block_ids)
 
 
 def keys_kv_first(kv: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """Keys from a ``[2, num_blocks, bs, H_kv, D]`` cache. Returns ``[n, H_kv, bs, D]``."""
-    return kv[0][block_ids].transpose(1, 2)
+    return kv[0].index_select(0, block_ids).transpose(1, 2)
 
 
 def keys_blocks_first(kv: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """Keys from a ``[num_blocks, 2, bs, H_kv, D]`` cache. Returns ``[n, H_kv, bs, D]``."""
-    return kv[block_ids][:, 0].transpose(1, 2)
+    return kv.select(1, 0).index_select(0, block_ids).transpose(1, 2)
 
 
 KEY_READERS = {

@@ -1,20 +1,33 @@
 """TokenSwiftProposer: the vLLM-facing proposer (``method="custom_class"``).
 
-Per engine step, for every running request whose newest token ``x`` (position
-``p``) was just sampled, :meth:`TokenSwiftProposer.propose_with_runner`:
+Per engine step, after vLLM has sampled the newest token ``x`` (position ``p``) of
+every running request, :meth:`TokenSwiftProposer.propose_with_runner` runs this
+pipeline:
 
-1. updates the request's n-gram table with its new tokens (Sec 3.2);
-2. plans its budgeted draft KV view (``kv_view``; Sec 3.3), re-selecting it from
-   block importances when the recent part overflows the budget;
-3. runs **one** forward of the target model for all such requests (one token
-   each) against their views — the target drafts for itself — and reads the
-   pre-final-norm hidden state, giving ``l_0`` (LM head) and ``l_1..l_3``
-   (dependent heads, ``heads``);
-4. applies each request's penalty, temperature and min_p to those distributions
-   (Sec 3.4; ``penalty``);
-5. picks one chain per request from the ``[1,3,3,3]`` tree and the n-gram
-   candidates (``chain``) and returns it to vLLM, whose rejection sampler
-   verifies it against the full model: the output equals plain decoding.
+1. **Account** for the chain verified this step: acceptance per source, per draft
+   position and per option (``metrics``, ``policy``), the step's measured cost.
+2. **Update** each request's n-gram table with its new tokens (Sec 3.2).
+3. **Decide** (``policy``): per request, the draft forward over its budgeted view,
+   fused heads on the verification forward's hidden state, an n-gram chain alone,
+   or no draft, and how long the chain may be, maximising expected tokens per
+   second from measured costs and acceptance (``policy="adaptive"``), or the draft
+   forward every step (``policy="paper"``).
+4. **Draft**:
+   * fused rows: the dependent heads on the pre-norm hidden state the
+     verification forward computed at the position before ``x`` (no forward);
+   * forward rows: plan their budgeted KV views (``kv_view``; Sec 3.3, re-selected
+     from block importance when the recent part overflows the budget) and run
+     **one** forward of the target model for all of them (one token each), which
+     gives ``h_0`` → ``l_0`` and the heads ``l_1..l_3`` (``draft_forward``);
+   * both: apply each request's penalty, temperature and min_p (Sec 3.4;
+     ``penalty``), then build the chain (``chain``): greedy requests take the best
+     chain from the tree and the n-gram candidates, sampled requests draw each
+     position from its draft distribution q; chains are cut where their
+     calibrated acceptance estimate stops paying for its verification;
+   * n-gram rows: the n-gram chain computed for the decision.
+5. **Hand over** the chains to vLLM, with the draft distributions q of sampled
+   tokens (``GPUModelRunner._draft_probs``), so vLLM's rejection sampler verifies
+   them against the full model: the output equals plain decoding.
 
 How it reaches the runner: vLLM's ``custom_class`` proposers only get token ids.
 The plugin (``plugin.py``) reroutes ``GPUModelRunner.propose_draft_token_ids``
@@ -29,42 +42,91 @@ tokens, so verification never reads draft K/V.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from vllm_tokenswift.chain import SOURCE_HEADS, Chain, extend_chain, ngram_chain, select_chain
+from vllm_tokenswift import policy as pol
+from vllm_tokenswift.chain import (SOURCE_FUSED, SOURCE_HEADS, SOURCE_NGRAM, Chain, build_chain,
+                                   extend_chain, ngram_chain, select_chain)
 from vllm_tokenswift.config import ADDITIONAL_CONFIG_KEY, TokenSwiftConfig, TokenSwiftConfigError
-from vllm_tokenswift.kv_view import (KEY_READERS, RequestView, ViewPlanner, block_importance,
-                                     detect_key_layout, sum_over_ranks)
+from vllm_tokenswift.draft_forward import TargetAccess, tp_all_gather, tp_broadcast_from_rank0
+from vllm_tokenswift.kv_view import RequestView, ViewPlanner, sum_over_ranks
 from vllm_tokenswift.metrics import TokenSwiftStats
 from vllm_tokenswift.ngram import NGramTable
 from vllm_tokenswift.penalty import window_from_params
 
 logger = logging.getLogger("vllm_tokenswift")
 
+#: adaptive policy: a request tries the draft forward / fused heads at least once
+#: every this many of its steps (deterministic exploration)
+EXPLORE_EVERY = 48
+#: tensor parallelism: rank 0's cost model is broadcast every this many steps
+COST_SYNC_EVERY = 16
+#: n-gram chains are built down to this cumulative frequency (the policy cuts them)
+NGRAM_FLOOR = 0.05
+
+
+@dataclass
+class _Proposal:
+    """What the proposer handed to vLLM for one request last step (for accounting)."""
+
+    kind: str = pol.NONE
+    sources: list = field(default_factory=list)
+    confs: list = field(default_factory=list)
+    sampled: bool = False
+
 
 @dataclass
 class _RequestState:
-    """Everything the proposer keeps per running request (freed on finish,
-    abort, preemption and resumption)."""
+    """Everything the proposer keeps per running request (freed on finish, abort,
+    preemption and resumption)."""
 
     ngrams: NGramTable | None
     view: RequestView = field(default_factory=RequestView)
-    last_sources: list[int] = field(default_factory=list)
     temperature: float = 0.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     window: int = 0
+    seed: int = 0
+    generator: torch.Generator | None = None
+    last: _Proposal = field(default_factory=_Proposal)
+    acceptance: dict = field(default_factory=dict)     # policy.AcceptanceModel.new_request()
+    steps: int = 0
+    tried: dict = field(default_factory=dict)          # kind -> step it was last taken
     q_row: int = -1          # row of this request in the last draft forward's captured queries
     q_step: int = -1         # step id of that capture
+    pen_counts: torch.Tensor | None = None              # [V] int32: tokens in the penalty history
+    pen_lo: int = 0
+    pen_hi: int = 0
+
+    @property
+    def sampled(self) -> bool:
+        return self.temperature > 1e-5
+
+
+@dataclass
+class _Row:
+    """One drafting request this step."""
+
+    batch_row: int
+    req_id: str
+    state: _RequestState
+    pos: int                  # position of the newest token x
+    room: int                 # most draft tokens that fit before max_model_len
+    context: list             # last n-1 tokens up to x (for n-grams)
+    ngram: Chain | None = None
+    verify_index: int = -1    # flat token index of h_{p-1} in this step's verification forward
+    forced: bool = False      # the policy must give this row at least one draft (exploration)
 
 
 class TokenSwiftProposer:
-    """TokenSwift drafting for vLLM's V1 engine (paper Sec 3.2-3.4).
+    """TokenSwift drafting for vLLM's V1 engine (paper Sec 3.2-3.4, plus the cost-aware
+    drafting policy of :mod:`vllm_tokenswift.policy`).
 
     Built by vLLM as ``Class(vllm_config)`` (``custom_class`` proposer) in the
     worker on the last pipeline stage. Settings come from
@@ -72,7 +134,7 @@ class TokenSwiftProposer:
 
     Raises (at engine start-up):
         TokenSwiftConfigError: invalid settings, pipeline parallelism > 1, a
-            sliding-window/hybrid model, or the plugin's runner patch missing.
+            sliding-window/hybrid model, or the plugin's patches missing.
         vllm_tokenswift.heads.HeadsLoadError: heads that do not fit the target.
     """
 
@@ -107,46 +169,49 @@ class TokenSwiftProposer:
         self.cfg.check_block_size(self.block_size)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.vocab_size = int(vllm_config.model_config.get_vocab_size())
+        self.engine_seed = int(getattr(vllm_config.model_config, "seed", 0) or 0)
         self.states: dict[str, _RequestState] = {}
         self.stats = TokenSwiftStats()
-        self.target = None  # NOT self.model: vLLM treats drafter.model as a draft model
+        self.access = TargetAccess(vllm_config, self.block_size, self.vocab_size, self.tp_size)
         self.heads = None
         self._planner: ViewPlanner | None = None
-        self._layer_names: list[str] = []
-        self._capture = False
-        self._prenorm: torch.Tensor | None = None
-        self._q: dict[str, torch.Tensor] = {}
-        self._probe_key: torch.Tensor | None = None
-        self._key_layout: str | None = None
-        self._layout_checked = False
+        self.costs = pol.CostModel()
+        self.acceptance = pol.AcceptanceModel(self.num_spec_tokens)
+        self.calibration = pol.Calibration(positions=self.num_spec_tokens)
         self._step = 0
-        self._hooks = []
+        self._last_fwd_step = -1      # step of the latest draft forward (whose queries are held)
+        self._last_end: float | None = None
+        self._last_overhead = 0.0
+        self._dp_buf: torch.Tensor | None = None
+        self._row_tokens: np.ndarray | None = None
+        self._step_fwd_s = 0.0
+        self._step_fused_s = 0.0
+        self.last_decision: pol.Decision | None = None
 
     # ----------------------------------------------------------------- set-up
     def load_model(self, target_model) -> None:
-        """Keep a reference to the target, load the heads and install capture hooks.
+        """Keep a reference to the target, load the heads and install the hooks.
 
         Called by vLLM right after the target model is loaded (before the KV cache
-        exists). Hooks only act inside the draft forward (eager mode).
+        exists).
+
+        Raises:
+            vllm_tokenswift.patches.TokenSwiftPatchError: a patch it relies on is not
+                active (names it).
+            TokenSwiftConfigError: the model lacks a final norm / attention layers.
         """
         from vllm_tokenswift import plugin
 
-        if not plugin.runner_patch_active():
-            raise TokenSwiftConfigError(
-                "vllm_tokenswift's runner patch is not active: load the plugin (it is a "
-                "vllm.general_plugins entry point; check VLLM_PLUGINS) instead of naming "
-                "the proposer class directly")
-        self.target = target_model
+        plugin.require_patches("the TokenSwift proposer")  # names any missing patch
         hf = self.vllm_config.model_config.hf_text_config
         hidden = int(hf.hidden_size)
         eps = float(getattr(hf, "rms_norm_eps", 1e-6))
         dtype = self.vllm_config.model_config.dtype
         device = next(target_model.parameters()).device
-        norm = getattr(getattr(target_model, "model", None), "norm", None)
-        if norm is None:
-            raise TokenSwiftConfigError(
-                f"{type(target_model).__name__} has no model.norm: TokenSwift needs a "
-                "Llama/Qwen2-style decoder (final norm before the LM head)")
+        try:
+            self.access.attach(target_model)
+        except ValueError as e:
+            raise TokenSwiftConfigError(str(e)) from None
         if self.cfg.use_heads and self.cfg.num_heads > 0:
             from vllm_tokenswift.heads import load_heads
 
@@ -160,70 +225,65 @@ class TokenSwiftProposer:
                 raise TokenSwiftConfigError(
                     "TokenSwift with tensor_parallel_size > 1 needs the logits gathered on every "
                     "rank (Platform.use_all_gather()); this platform gathers them on rank 0 only")
-        self._hooks.append(norm.register_forward_hook(self._norm_hook))
-        from vllm.model_executor.layers.attention.attention import Attention
-
-        ctx = self.vllm_config.compilation_config.static_forward_context
-        names = [n for n, m in ctx.items() if isinstance(m, Attention)]
-        if not names:
-            raise TokenSwiftConfigError("no attention layers found in the target model")
-        self._layer_names = sorted(names, key=_layer_index)
-        for name in self._layer_names:
-            self._hooks.append(ctx[name].register_forward_pre_hook(self._make_attn_hook(name)))
-        groups = len(self._layer_names) if self.cfg.view_granularity == "layer" else 1
+        groups = len(self.access.layer_names) if self.cfg.view_granularity == "layer" else 1
         self._planner = ViewPlanner(self.cfg.kv_budget, self.cfg.sink_tokens, self.block_size,
                                     self.cfg.draft_kv, groups)
 
-    def _norm_hook(self, module, inputs, output):
-        if self._capture:
-            if isinstance(output, tuple) and len(output) > 1 and output[1] is not None:
-                self._prenorm = output[1]
-            elif len(inputs) > 1 and inputs[1] is not None:
-                self._prenorm = inputs[0] + inputs[1]
-            else:
-                self._prenorm = inputs[0]
-
-    def _make_attn_hook(self, name: str):
-        def hook(module, args):
-            if self._capture and args:
-                self._q[name] = args[0]
-                if self._probe_key is None and name == self._layer_names[0] and len(args) > 1:
-                    self._probe_key = args[1]
-        return hook
+    @property
+    def target(self):
+        """The target model (not ``self.model``: vLLM treats ``drafter.model`` as a draft model)."""
+        return self.access.target
 
     # ----------------------------------------------------------------- state
     def _forget(self, scheduler_output, live: dict) -> None:
-        """Free the state of finished, aborted, preempted and resumed requests.
-
-        Finished requests are also caught when they left the batch in a step that
-        ran no proposer (vLLM flushes finished ids with an empty step)."""
+        """Free the state of finished, aborted, preempted and resumed requests."""
         drop = set(scheduler_output.finished_req_ids or ())
         drop |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
         cached = scheduler_output.scheduled_cached_reqs
         drop |= set(getattr(cached, "resumed_req_ids", None) or ())
-        for rid in drop:
-            self.states.pop(rid, None)
+        self.release_requests(drop)
         if len(self.states) > len(live):
-            for rid in [r for r in self.states if r not in live]:
-                del self.states[rid]
+            self.release_requests([r for r in self.states if r not in live])
+
+    def release_requests(self, req_ids) -> int:
+        """Free the proposer state of these requests (finished, aborted or preempted).
+
+        Called by the plugin's hook on the runner's state update, so state is freed
+        even when vLLM flushes a finish in a step that runs no proposer. Unknown ids are
+        ignored. Returns how many states were freed."""
+        n = 0
+        for rid in req_ids or ():
+            if self.states.pop(rid, None) is not None:
+                n += 1
+        return n
 
     def _new_state(self, runner, req_id: str) -> _RequestState:
         req = runner.requests.get(req_id)
         sp = getattr(req, "sampling_params", None)
         ng = NGramTable(self.cfg.ngram_n) if self.cfg.ngram_topk > 0 else None
-        st = _RequestState(ngrams=ng)
+        st = _RequestState(ngrams=ng, acceptance=self.acceptance.new_request())
         if sp is not None:
             st.temperature = float(sp.temperature)
             st.min_p = float(sp.min_p or 0.0)
             st.repetition_penalty = float(sp.repetition_penalty)
             st.window = window_from_params(sp)
+            if sp.seed is not None:
+                st.seed = int(sp.seed)
+            else:
+                # rank-independent and batch-independent: the engine seed and the request id
+                h = hashlib.sha256(f"{self.engine_seed}:{req_id}".encode()).digest()
+                st.seed = int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
         return st
 
     def tokenswift_stats(self) -> dict:
-        """Counters and derived figures (see :class:`~vllm_tokenswift.metrics.TokenSwiftStats`)."""
+        """Counters and derived figures (see :class:`~vllm_tokenswift.metrics.TokenSwiftStats`),
+        plus the cost model's current estimates (``cost_model``, seconds)."""
         d = self.stats.summary(self.num_spec_tokens)
-        d["key_layout"] = self._key_layout
+        d["key_layout"] = self.access.key_layout
         d["num_live_requests"] = len(self.states)
+        d["prometheus_samples"] = self.stats.prometheus_samples()
+        d["cost_model"] = self.costs.costs() if self.costs.ready else None
+        d["policy"] = self.cfg.policy
         return d
 
     def reset_tokenswift_stats(self) -> None:
@@ -250,73 +310,237 @@ class TokenSwiftProposer:
         t0 = self.stats.step_started()
         self._step += 1
         ib = runner.input_batch
+        self._row_tokens = ib.token_ids_cpu
         self._forget(scheduler_output, ib.req_id_to_index)
+        out: list[list[int]] = [[] for _ in range(len(sampled))]
+        try:
+            rows = self._account_and_collect(runner, scheduler_output, sampled, t0)
+            if rows:
+                self._draft(runner, rows, out)
+        finally:
+            self.access.end_step()
+        t1 = time.perf_counter()
+        self.stats.time_draft_s += t1 - t0
+        self._last_overhead = (t1 - t0) - self._step_fwd_s - self._step_fused_s
+        self._last_end = t1
+        self.stats.maybe_log(self.cfg.log_interval_s, self.num_spec_tokens)
+        return out
+
+    # ----------------------------------------------------------------- 1-2. accounting, n-grams
+    def _account_and_collect(self, runner, scheduler_output, sampled, t0) -> list[_Row]:
+        ib = runner.input_batch
         bt = ib.block_table[0]
-        bt_np = bt.block_table.np
         nblk = bt.num_blocks_per_row
         req_ids = ib.req_ids
-        out: list[list[int]] = [[] for _ in range(len(sampled))]
-        bs = self.block_size
         spec = scheduler_output.scheduled_spec_decode_tokens
-
-        rows, states, positions = [], [], []
+        qsl = runner.query_start_loc.np
+        bs = self.block_size
+        self._step_fwd_s = 0.0
+        self._step_fused_s = 0.0
+        rows: list[_Row] = []
+        n_decode = n_draft = 0
         for i, s in enumerate(sampled):
             if not s or i >= len(req_ids):
                 continue
             rid = req_ids[i]
             p = int(ib.num_tokens_no_spec[i]) - 1
             st = self.states.get(rid)
+            k = len(spec.get(rid, ()))
+            a = len(s) - 1
             if st is None:
                 st = self.states[rid] = self._new_state(runner, rid)
             else:
-                self.stats.record_verification(st.last_sources, len(spec.get(rid, ())), len(s) - 1)
-            st.last_sources = []
+                n_decode += 1
+                n_draft += k
+                self._account(st, k, a)
+            st.last = _Proposal()
+            st.steps += 1
             if st.ngrams is not None:
                 st.ngrams.extend(ib.token_ids_cpu[i, len(st.ngrams): p + 1].tolist())
-            room = self.max_model_len - (p + 1) - 1
+            room = min(self.num_spec_tokens, self.max_model_len - (p + 1) - 1)
             if room <= 0:
                 continue
             if p // bs >= nblk[i]:
                 self.stats.skipped_no_slot += 1
                 continue
-            if st.ngrams is not None and self.cfg.skip_draft_conf <= 1.0:
-                ng = ngram_chain(ib.token_ids_cpu[i, max(0, p + 2 - st.ngrams.n): p + 1].tolist(),
-                                 st.ngrams, min(room, self.num_spec_tokens), self.cfg.ngram_min_conf)
-                if ng.tokens and ng.expected_len >= self.cfg.skip_draft_conf * self.num_spec_tokens:
-                    out[i] = ng.tokens
-                    st.last_sources = ng.sources
-                    self.stats.record_chain(ng.sources)
-                    self.stats.drafts_skipped_forward += 1
-                    continue
-            rows.append(i)
-            states.append(st)
-            positions.append(p)
-        if not rows:
-            self.stats.time_draft_s += time.perf_counter() - t0
-            return out
+            m = st.ngrams.n - 1 if st.ngrams is not None else 1
+            ctx = ib.token_ids_cpu[i, max(0, p + 1 - m): p + 1].tolist()
+            rows.append(_Row(i, rid, st, p, room, ctx, verify_index=int(qsl[i + 1]) - 1 - (k - a)))
+        # the step that just ran verified what we proposed last step: its cost (outside
+        # the proposer) plus our own fixed overhead is the draft-free step cost + b per draft
+        new_tokens = int(scheduler_output.total_num_scheduled_tokens) - n_decode - n_draft
+        if self._last_end is not None and n_decode and new_tokens <= 0:
+            self.costs.observe_step((t0 - self._last_end) + self._last_overhead, n_decode, n_draft)
+        return rows
 
-        plans = self._plan_views(runner, rows, states, positions)
+    def _account(self, st: _RequestState, num_verified: int, num_accepted: int) -> None:
+        """Book last step's proposal of ``st`` as verified (acceptance per source/option)."""
+        last = st.last
+        self.stats.record_verification(last.sources, num_verified, num_accepted,
+                                       last.kind if last.sources else None)
+        if num_verified <= 0 or not last.sources:
+            return
+        self.acceptance.record(st.acceptance, last.kind, num_verified, num_accepted)
+        keys = [src + (10 if last.sampled and src != SOURCE_NGRAM else 0) for src in last.sources]
+        self.calibration.update(keys, last.confs, num_verified, num_accepted)
+
+    # ----------------------------------------------------------------- 3-5. decide, draft, hand over
+    def _draft(self, runner, rows: list[_Row], out: list[list[int]]) -> None:
+        cfg = self.cfg
+        has_fused = (self.heads is not None and cfg.fused_heads and cfg.policy != "paper"
+                     and self.access.has_verification_hidden)
+        options = []
+        for r in rows:
+            st = r.state
+            if st.ngrams is not None:
+                r.ngram = ngram_chain(r.context, st.ngrams, r.room, NGRAM_FLOOR)
+            options.append(self._row_options(r, has_fused))
+            r.forced = options[-1].forced not in (None, pol.NONE)
+        if cfg.policy == "paper":
+            kinds = [pol.FORWARD] * len(rows)
+            threshold = -1.0
+        else:
+            if self.tp_size > 1 and self._step % COST_SYNC_EVERY == 1:
+                self.costs.load_state(tp_broadcast_from_rank0(self.costs.state()))
+            dec = pol.decide(options, self.costs.costs())
+            self.last_decision = dec
+            kinds, threshold = dec.kinds, dec.threshold
+        by_kind: dict[str, list[int]] = {k: [] for k in pol.KINDS}
+        for j, kind in enumerate(kinds):
+            by_kind[kind].append(j)
+
+        chains: dict[int, Chain] = {}
+        q_rows: dict[int, tuple[torch.Tensor, list]] = {}
+        if by_kind[pol.FUSED]:
+            self._draft_fused(runner, rows, by_kind[pol.FUSED], chains, q_rows, threshold)
+        if by_kind[pol.FORWARD]:
+            self._draft_forward(runner, rows, by_kind[pol.FORWARD], chains, q_rows, threshold)
+        for j in by_kind[pol.NGRAM]:
+            r = rows[j]
+            ch = r.ngram if r.ngram is not None else Chain([], [], 0.0)
+            chains[j] = self._cut(ch, r, threshold)
+
+        any_sampled = False
+        for j, r in enumerate(rows):
+            ch = chains.get(j)
+            kind = kinds[j]
+            if ch is None or not ch.tokens:
+                kind, toks, srcs, confs = pol.NONE, [], [], []
+            else:
+                toks, srcs, confs = ch.tokens[: r.room], ch.sources[: r.room], ch.confs[: r.room]
+            out[r.batch_row] = toks
+            st = r.state
+            st.last = _Proposal(kind, list(srcs), list(confs), st.sampled and j in q_rows)
+            st.tried[kind] = st.steps
+            self.stats.record_chain(list(srcs), kind)
+            if kind in (pol.FUSED, pol.NGRAM):
+                self.stats.drafts_skipped_forward += 1
+            any_sampled |= j in q_rows and bool(toks)
+        if any_sampled:
+            self._set_draft_probs(runner, rows, out, q_rows, runner.device, self.vocab_size)
+
+    def _row_options(self, r: _Row, has_fused: bool) -> pol.RowOptions:
+        """Per available option, the estimated cumulative acceptance of its chain."""
+        st = r.state
+        cums = {pol.NONE: np.zeros(0)}
+        if r.ngram is not None and r.ngram.tokens:
+            cums[pol.NGRAM] = self._calibrated_cum(r.ngram, st.sampled)
+        n_fwd = min(r.room, self.cfg.num_draft_distributions)
+        cums[pol.FORWARD] = self.acceptance.cumulative(st.acceptance, pol.FORWARD, n_fwd)
+        if has_fused and r.verify_index >= 0:
+            cums[pol.FUSED] = self.acceptance.cumulative(st.acceptance, pol.FUSED,
+                                                         min(r.room, self.heads.num_heads))
+        forced = None
+        if self.cfg.policy == "cycle":
+            forced = pol.KINDS[st.steps % len(pol.KINDS)]
+            if forced not in cums:
+                forced = pol.NGRAM if pol.NGRAM in cums else pol.NONE
+        elif self.cfg.policy == "adaptive" and st.steps > 2:
+            for kind in (pol.FORWARD, pol.FUSED):
+                if kind in cums and st.steps - st.tried.get(kind, 0) >= EXPLORE_EVERY:
+                    forced = kind
+                    break
+        return pol.RowOptions(cums, forced)
+
+    def _calibrated_cum(self, ch: Chain, sampled: bool) -> np.ndarray:
+        probs = [self.calibration.prob(s + (10 if sampled and s != SOURCE_NGRAM else 0), j, c)
+                 for j, (s, c) in enumerate(zip(ch.sources, ch.confs))]
+        return np.cumprod(np.asarray(probs, dtype=np.float64))
+
+    def _cut(self, ch: Chain, r: _Row, threshold: float) -> Chain:
+        """Cut ``ch`` where its calibrated cumulative acceptance falls to ``threshold``
+        (``threshold < 0``: keep it whole, the paper policy).
+
+        Losslessness: whether position j is kept may depend on the tokens before it but
+        never on the token at j itself when that token was *sampled* from q (keeping a
+        sampled draft only for some values would change the distribution the rejection
+        sampler corrects for). The confidences of sampled tokens are therefore a
+        property of q (its largest probability), not of the drawn token; point-mass
+        tokens (greedy, n-grams) are deterministic functions of their prefix, so their
+        own confidence may decide."""
+        if threshold >= 0 and ch.tokens:
+            n = pol.cut_length(self._calibrated_cum(ch, r.state.sampled), threshold)
+            ch.truncate(max(n, 1 if r.forced else 0))
+        return ch.truncate(min(len(ch.tokens), r.room))
+
+    # ----------------------------------------------------------------- fused heads
+    def _draft_fused(self, runner, rows, idx, chains, q_rows, threshold) -> None:
+        t = time.perf_counter()
+        h = self.access.verification_hidden([rows[j].verify_index for j in idx])
+        if h is None:
+            return
+        outs = self.heads(h.to(next(self.heads.parameters()).dtype))
+        n = len(idx)
+        logits = self.access.logits(torch.cat(outs, dim=0)).view(len(outs), n, -1).transpose(0, 1)
+        self._chains_from_logits(rows, idx, logits, chains, q_rows, threshold, SOURCE_FUSED,
+                                 tree=self.cfg.tree[1:], with_l0=False)
+        dt = time.perf_counter() - t
+        self._step_fused_s += dt
+        self.stats.time_fused_s += dt
+        self.costs.observe_fused(dt, n)
+
+    # ----------------------------------------------------------------- draft forward
+    def _draft_forward(self, runner, rows, idx, chains, q_rows, threshold) -> None:
+        t = time.perf_counter()
+        ib = runner.input_batch
+        bt_np = ib.block_table[0].block_table.np
+        bs = self.block_size
+        sel = [rows[j] for j in idx]
+        plans = self._plan_views(runner, [r.batch_row for r in sel], [r.state for r in sel],
+                                 [r.pos for r in sel])
+        n_groups = max(len(pl.blocks) for pl in plans)
+        tables = []
+        for g in range(n_groups):
+            width = max(len(pl.blocks[g if len(pl.blocks) > 1 else 0]) for pl in plans)
+            tab = np.zeros((len(sel), width), dtype=np.int32)
+            for k, (r, pl) in enumerate(zip(sel, plans)):
+                b = pl.blocks[g if len(pl.blocks) > 1 else 0]
+                tab[k, : len(b)] = bt_np[r.batch_row, b]
+            tables.append(tab)
+        ids = [int(ib.token_ids_cpu[r.batch_row, r.pos]) for r in sel]
+        slots = [int(bt_np[r.batch_row, r.pos // bs]) * bs + r.pos % bs for r in sel]
         t1 = time.perf_counter()
-        logits = self._draft_forward(runner, rows, positions, plans, ib, bt_np)
+        h = self.access.draft_forward(runner, ids, [r.pos for r in sel], slots, tables,
+                                      [pl.seq_len for pl in plans])
+        pre = self.access.draft_prenorm
+        outs = (self.heads(pre[: len(sel)].to(h.dtype))
+                if self.heads is not None and pre is not None else [])
+        logits = self.access.logits(torch.cat([h] + outs, dim=0) if outs else h)
+        logits = logits.view(1 + len(outs), len(sel), -1).transpose(0, 1)
         self.stats.time_draft_forward_s += time.perf_counter() - t1
-        for r, (i, st) in enumerate(zip(rows, states)):
-            st.q_row, st.q_step = r, self._step
         self.stats.draft_steps += 1
+        for k, r in enumerate(sel):
+            r.state.q_row, r.state.q_step = k, self._step
+        self._last_fwd_step = self._step
+        if self.cfg.policy == "paper":
+            self._paper_chains(rows, idx, logits, chains, q_rows)
+        else:
+            self._chains_from_logits(rows, idx, logits, chains, q_rows, threshold, SOURCE_HEADS,
+                                     tree=self.cfg.tree, with_l0=True)
+        dt = time.perf_counter() - t
+        self._step_fwd_s += dt
+        self.costs.observe_forward(dt, len(sel))
 
-        chains, probs, q_depths = self._choose_chains(ib, rows, states, positions, logits)
-        for i, st, p, ch in zip(rows, states, positions, chains):
-            room = self.max_model_len - (p + 1) - 1
-            toks = ch.tokens[: min(room, self.num_spec_tokens)]
-            out[i] = toks
-            st.last_sources = ch.sources[: len(toks)]
-            self.stats.record_chain(st.last_sources)
-        if q_depths:
-            self._set_draft_probs(runner, out, rows, probs, q_depths)
-        self.stats.time_draft_s += time.perf_counter() - t0
-        self.stats.maybe_log(self.cfg.log_interval_s, self.num_spec_tokens)
-        return out
-
-    # ----------------------------------------------------------------- views
     def _plan_views(self, runner, rows, states, positions) -> list:
         """Plan every drafting request's view, (re-)selecting those that need it.
 
@@ -330,12 +554,19 @@ class TokenSwiftProposer:
         planner = self._planner
         plans = [planner.plan(st.view, p) for st, p in zip(states, positions)]
         todo, imps = [], []
+        bt_np = runner.input_batch.block_table[0].block_table.np
+        s = planner.sink_blocks
         for r, (i, st, p, plan) in enumerate(zip(rows, states, positions, plans)):
-            if plan.needs_selection and st.q_step == self._step - 1 and st.q_row >= 0 and self._q:
+            # the queries held are the latest draft forward's; this request's row in it
+            # (possibly a few steps old when other options ran in between) scores its blocks
+            if plan.needs_selection and st.q_step == self._last_fwd_step and st.q_row >= 0 \
+                    and self.access.has_queries:
                 todo.append(r)
-                imps.append(self._importance(runner, i, st, p))
+                last = p // self.block_size
+                imps.append(self.access.importance(bt_np[i, s:last] if last > s else np.zeros(0, np.int64),
+                                                   st.q_row, planner.num_groups))
         if todo and self.tp_size > 1:
-            imps = sum_over_ranks(imps, _tp_all_gather)
+            imps = sum_over_ranks(imps, tp_all_gather)
         for r, imp in zip(todo, imps):
             planner.select(states[r].view, positions[r], imp)
             self.stats.view_selections += 1
@@ -347,166 +578,121 @@ class TokenSwiftProposer:
                 self.stats.views_budgeted += 1
         return plans
 
-    def _importance(self, runner, row: int, st: _RequestState, p: int) -> list[np.ndarray] | None:
-        """Per group, block importance of blocks ``sink..last-1`` for this request."""
-        if self._key_layout is None:
-            return None  # recency fallback (layout unknown)
-        planner = self._planner
-        s = planner.sink_blocks
-        last = p // self.block_size
-        if last - s <= 0:
-            return [np.zeros(0)] * planner.num_groups
-        ids_np = runner.input_batch.block_table[0].block_table.np[row, s:last]
-        ctx = self.vllm_config.compilation_config.static_forward_context
-        reader = KEY_READERS[self._key_layout]
-        per_layer = []
-        for name in self._layer_names:
-            kv = ctx[name].kv_cache
-            if isinstance(kv, (list, tuple)):
-                kv = kv[0]
-            ids = torch.as_tensor(ids_np, dtype=torch.long, device=kv.device)
-            keys = reader(kv, ids)
-            q = self._q[name][st.q_row]
-            hq = q.numel() // keys.shape[-1]
-            per_layer.append(block_importance(q.reshape(hq, keys.shape[-1]), keys).cpu().numpy())
-        if planner.num_groups == 1:
-            return [np.sum(per_layer, axis=0)]
-        return per_layer
-
-    # ----------------------------------------------------------------- forward
-    def _draft_forward(self, runner, rows, positions, plans, ib, bt_np) -> torch.Tensor:
-        """One target forward over the views; returns draft logits ``[n, D, V]`` float32."""
-        from vllm.forward_context import set_forward_context
-        from vllm.v1.attention.backend import CommonAttentionMetadata
-
-        n = len(rows)
-        dev = runner.device
-        bs = self.block_size
-        ids = torch.as_tensor([int(ib.token_ids_cpu[i, p]) for i, p in zip(rows, positions)],
-                              dtype=torch.long)
-        pos = torch.as_tensor(positions, dtype=torch.long)
-        slots = torch.as_tensor([int(bt_np[i, p // bs]) * bs + p % bs for i, p in zip(rows, positions)],
-                                dtype=torch.long)
-        seq = torch.as_tensor([pl.seq_len for pl in plans], dtype=torch.int32)
-        qsl = torch.arange(n + 1, dtype=torch.int32)
-        uniform = all(len(pl.blocks) == 1 for pl in plans)
-        n_groups = 1 if uniform else len(self._layer_names)
-
-        def table(g: int) -> torch.Tensor:
-            width = max(len(pl.blocks[g if len(pl.blocks) > 1 else 0]) for pl in plans)
-            t = np.zeros((n, width), dtype=np.int32)
-            for r, (i, pl) in enumerate(zip(rows, plans)):
-                b = pl.blocks[g if len(pl.blocks) > 1 else 0]
-                t[r, : len(b)] = bt_np[i, b]
-            return torch.from_numpy(t).to(dev)
-
-        pos_d, slots_d = pos.to(dev), slots.to(dev)
-        cm = CommonAttentionMetadata(
-            query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl, seq_lens=seq.to(dev),
-            seq_lens_cpu_upper_bound=seq, num_reqs=n, num_actual_tokens=n, max_query_len=1,
-            max_seq_len=int(seq.max()), block_table_tensor=table(0), slot_mapping=slots_d,
-            causal=True, positions=pos_d, is_prefilling=torch.zeros(n, dtype=torch.bool))
-        layer_group = {name: i for i, name in enumerate(self._layer_names)}
-        md, sm = {}, {}
-        tables = {0: cm.block_table_tensor}
-        for groups in runner.attn_groups:
-            for g in groups:
-                builder = g.get_metadata_builder()
-                if n_groups == 1:
-                    m = builder.build_for_drafting(_kernel_blocks(g, cm), 0)
-                    for ln in g.layer_names:
-                        md[ln], sm[ln] = m, slots_d
-                    continue
-                for ln in g.layer_names:
-                    gi = layer_group.get(ln, 0)
-                    if gi not in tables:
-                        tables[gi] = table(gi)
-                    m = builder.build_for_drafting(
-                        _kernel_blocks(g, replace(cm, block_table_tensor=tables[gi])), 0)
-                    md[ln], sm[ln] = m, slots_d
-        self._q = {}
-        self._prenorm = None
-        probe = not self._layout_checked
-        self._probe_key = None if probe else self._probe_key
-        self._capture = True
-        try:
-            with set_forward_context(md, self.vllm_config, num_tokens=n, slot_mapping=sm,
-                                     skip_compiled=True):
-                hidden = self.target(input_ids=ids.to(dev), positions=pos_d)
-        finally:
-            self._capture = False
-        if probe:
-            self._detect_layout(slots[0].item())
-        h = hidden if isinstance(hidden, torch.Tensor) else hidden[0]
-        h = h[:n]
-        outs = (self.heads(self._prenorm[:n].to(h.dtype))
-                if self.heads is not None and self._prenorm is not None else [])
-        logits = self.target.compute_logits(torch.cat([h] + outs, dim=0) if outs else h)
-        if logits is None:
-            raise RuntimeError("TokenSwift: compute_logits returned no logits on this rank")
-        logits = logits.view(1 + len(outs), n, -1).transpose(0, 1)
-        return logits[..., : self.vocab_size].float()
-
-    def _detect_layout(self, slot: int) -> None:
-        """Find the KV cache key layout from the key the first draft forward wrote.
-
-        With tensor parallelism the ranks agree (one collective, on the first draft
-        forward, which all ranks run): if any rank cannot read its keys, all fall back
-        to recency, so no rank skips the importance collective the others enter."""
-        self._layout_checked = True
-        layout = self._find_layout(slot)
-        if self.tp_size > 1:
-            ok = _tp_all_gather(torch.tensor([1.0 if layout is not None else 0.0]))
-            if layout is not None and bool((ok < 0.5).any()):
-                logger.warning("TokenSwift: another tensor-parallel rank could not read its KV keys; "
-                               "view selection falls back to recency on all ranks")
-                layout = None
-        self._key_layout = layout
-        if layout is not None:
-            logger.info("TokenSwift: KV cache key layout %s", layout)
-
-    def _find_layout(self, slot: int) -> str | None:
-        key = self._probe_key
-        if key is None:
-            logger.warning("TokenSwift: could not capture a key; view selection falls back to recency")
-            return None
-        ctx = self.vllm_config.compilation_config.static_forward_context
-        kv = ctx[self._layer_names[0]].kv_cache
-        if isinstance(kv, (list, tuple)):
-            kv = kv[0]
-        hkv = kv.shape[1] if kv.dim() == 4 else None
-        k = key[0]
-        d = None
-        for cand in (kv.shape[-1] // 2, kv.shape[-1]):
-            if hkv and k.numel() == hkv * cand:
-                d = cand
-                break
-        if d is None:
-            logger.warning("TokenSwift: unknown KV cache shape %s; view selection uses recency",
-                           tuple(kv.shape))
-            return None
-        layout = detect_key_layout(kv, slot, self.block_size, k.reshape(hkv, d))
-        if layout is None:
-            logger.warning("TokenSwift: KV cache layout not recognised (shape %s); view selection "
-                           "falls back to recency", tuple(kv.shape))
-        return layout
-
     # ----------------------------------------------------------------- chains
-    def _set_draft_probs(self, runner, out, rows, probs: torch.Tensor, q_depths: dict) -> None:
+    def _chains_from_logits(self, rows, idx, logits, chains, q_rows, threshold, source, tree,
+                            with_l0: bool) -> None:
+        """Chains from draft logits ``[n, D, V]`` of the rows ``idx`` (adaptive policy)."""
+        cfg = self.cfg
+        sel = [rows[j] for j in idx]
+        if cfg.draft_penalty:
+            logits = self._apply_request_filters(sel, logits)
+        probs = torch.softmax(logits, dim=-1)
+        n, D, _ = probs.shape
+        greedy = [k for k, r in enumerate(sel) if not r.state.sampled]
+        if greedy:
+            w = max(tree[:D])
+            gidx = torch.as_tensor(greedy, dtype=torch.long, device=probs.device)
+            top_p, top_i = probs.index_select(0, gidx).topk(w, dim=-1)
+            top_p, top_i = top_p.cpu().numpy(), top_i.cpu().numpy()
+            for gk, k in enumerate(greedy):
+                r = sel[k]
+                st = r.state
+                lut = [dict(zip(top_i[gk, d, : tree[d]].tolist(), top_p[gk, d, : tree[d]].tolist()))
+                       for d in range(D)]
+                toks = [list(lut[d].keys()) for d in range(D)]
+
+                def prob(d, tok, lut=lut):
+                    return lut[d].get(tok) if d < len(lut) else None
+
+                groups, skips = [], []
+                if st.ngrams is not None:
+                    firsts = [(toks[0][0], False), (r.context[-1], True)] if with_l0 else [(r.context[-1], True)]
+                    for first, skip in firsts:
+                        groups.append(st.ngrams.topk(first, cfg.ngram_topk))
+                        skips.append(skip)
+                ch = build_chain(r.context, toks, prob, st.ngrams, groups, r.room, source=source,
+                                 skip_first_gram=skips)
+                chains[idx[k]] = self._cut(ch, r, threshold)
+        sampled = [k for k, r in enumerate(sel) if r.state.sampled]
+        if sampled:
+            peak = probs.amax(dim=-1).cpu().numpy()       # [n, D]: confidence of q, not of a draw
+        for k in sampled:
+            r = sel[k]
+            st = r.state
+            depth = min(D, r.room)
+            draws = self._draw(st, probs[k, :depth])
+            ch = Chain(list(draws), [source] * depth, 0.0, peak[k, :depth].tolist())
+            if st.ngrams is not None and depth < r.room:
+                ext = ngram_chain(list(r.context) + ch.tokens, st.ngrams, r.room - depth, NGRAM_FLOOR)
+                ch.tokens += ext.tokens
+                ch.sources += ext.sources
+                ch.confs += ext.confs
+            chains[idx[k]] = self._cut(ch, r, threshold)
+            q_rows[idx[k]] = (probs[k], list(range(depth)))
+
+    def _paper_chains(self, rows, idx, logits, chains, q_rows) -> None:
+        """The paper policy's chains: the best path of the ``[1, 3, 3, 3]`` tree and the
+        n-grams (:func:`select_chain`) for greedy requests; draws from q plus confident
+        n-gram continuations for sampled ones."""
+        cfg = self.cfg
+        sel = [rows[j] for j in idx]
+        if cfg.draft_penalty:
+            logits = self._apply_request_filters(sel, logits)
+        probs = torch.softmax(logits, dim=-1)
+        n, D, _ = probs.shape
+        tmax = max(cfg.tree[:D])
+        top_p, top_i = probs.topk(tmax, dim=-1)
+        top_p, top_i = top_p.cpu().numpy(), top_i.cpu().numpy()
+        for k, r in enumerate(sel):
+            st = r.state
+            if st.sampled:
+                depth = min(D, r.room)
+                draws = self._draw(st, probs[k, :depth])
+                ch = Chain(list(draws), [SOURCE_HEADS] * depth, float(depth), [1.0] * depth)
+                if st.ngrams is not None and cfg.ngram_topk > 0:
+                    extend_chain(ch, r.context, st.ngrams, r.room, cfg.ngram_min_conf)
+                    ch.confs += [1.0] * (len(ch.tokens) - len(ch.confs))
+                chains[idx[k]] = ch.truncate(min(len(ch.tokens), r.room))
+                q_rows[idx[k]] = (probs[k], list(range(depth)))
+                continue
+            lut = [dict(zip(top_i[k, d].tolist(), top_p[k, d].tolist())) for d in range(D)]
+
+            def prob(d, tok, lut=lut):
+                return lut[d].get(tok) if d < len(lut) else None
+
+            tree_tokens = [top_i[k, d, : cfg.tree[d]].tolist() for d in range(D)]
+            ch = select_chain(r.context, tree_tokens, prob, st.ngrams, cfg.ngram_topk, r.room,
+                              cfg.ngram_min_conf)
+            ch.confs = [1.0] * len(ch.tokens)
+            chains[idx[k]] = ch
+
+    def _draw(self, st: _RequestState, probs: torch.Tensor) -> list[int]:
+        """One token per depth from ``probs`` ``[depth, V]`` with the request's own RNG
+        (seeded by its ``seed``, else by the engine seed and its id): reproducible per
+        request, independent of the batch, identical on every tensor-parallel rank."""
+        if st.generator is None or st.generator.device != probs.device:
+            st.generator = torch.Generator(device=probs.device)
+            st.generator.manual_seed(st.seed)
+        return torch.multinomial(probs, 1, generator=st.generator).view(-1).tolist()
+
+    def _set_draft_probs(self, runner, rows, out, q_rows, device, vocab: int) -> None:
         """Give vLLM's rejection sampler the draft distributions q of sampled drafts.
 
         Standard speculative sampling (accept with min(1, p/q), else resample from
         (p - q)+) is lossless when each draft token was drawn from the q given here;
         tokens chosen deterministically (n-gram candidates, greedy rows) get a
-        one-hot q, which is exactly vLLM's point-mass treatment.
+        one-hot q, which is exactly vLLM's point-mass treatment. vLLM reads only
+        ``[row, :num_draft]`` of each row (``_get_spec_decode_draft_probs``), so the
+        buffer is kept between steps and only the positions proposed now are written.
         Shape: ``[num_batch_rows, num_speculative_tokens, V]`` float32, rows in
         ``input_batch.req_ids`` order (vLLM ``GPUModelRunner._draft_probs``).
         """
         n_rows = len(out)
+        dev, v = torch.device(device), vocab
         k = self.num_spec_tokens
-        v = probs.shape[-1]
-        dev = probs.device
-        dp = torch.zeros((n_rows, k, v), dtype=torch.float32, device=dev)
+        buf = self._dp_buf
+        if buf is None or buf.shape[0] < n_rows or buf.device != dev or buf.shape[2] != v:
+            buf = self._dp_buf = torch.zeros((max(n_rows, 8), k, v), dtype=torch.float32, device=dev)
         oi, oj, ot = [], [], []
         for i, toks in enumerate(out):
             for j, t in enumerate(toks):
@@ -514,154 +700,71 @@ class TokenSwiftProposer:
                 oj.append(j)
                 ot.append(t)
         if oi:
-            dp[torch.as_tensor(oi, device=dev), torch.as_tensor(oj, device=dev),
-               torch.as_tensor(ot, device=dev)] = 1.0
-        qi, qj, qr, qd = [], [], [], []
-        for r, depths in q_depths.items():
-            i = rows[r]
-            for j, d in enumerate(depths[: len(out[i])]):
-                if d is not None:
-                    qi.append(i)
-                    qj.append(j)
-                    qr.append(r)
-                    qd.append(d)
-        if qi:
-            dp[torch.as_tensor(qi, device=dev), torch.as_tensor(qj, device=dev)] = \
-                probs[torch.as_tensor(qr, device=dev), torch.as_tensor(qd, device=dev)]
-        runner._draft_probs = dp
+            ii = torch.as_tensor(oi, device=dev)
+            jj = torch.as_tensor(oj, device=dev)
+            buf[ii, jj] = 0.0
+            buf[ii, jj, torch.as_tensor(ot, device=dev)] = 1.0
+        for j, (probs, depths) in q_rows.items():
+            i = rows[j].batch_row
+            d = min(len(depths), len(out[i]))
+            if d:
+                buf[i, :d] = probs[:d]
+        runner._draft_probs = buf[:n_rows]
         runner._draft_prob_req_ids = list(runner.input_batch.req_ids[:n_rows])
 
-    def _choose_chains(self, ib, rows, states, positions, logits: torch.Tensor):
-        """Penalise/filter the draft distributions, then pick a chain per request.
-
-        Greedy requests: :func:`~vllm_tokenswift.chain.select_chain` (argmax tree paths
-        and n-grams). Randomly sampled requests: each depth's token is *sampled* from
-        its draft distribution q (so vLLM can verify with the true q and accept with
-        probability ``Σ min(p, q)`` instead of ``p(token)``), then the chain is
-        extended with confident n-gram continuations (point masses).
-
-        Returns:
-            ``(chains, probs [n, D, V], sampled)`` where ``sampled[r]`` lists, per chain
-            position of row r, the depth whose q the token was drawn from (None for a
-            point mass); rows absent from ``sampled`` are all point masses.
-        """
-        cfg = self.cfg
-        n, ndist, _ = logits.shape
-        if cfg.draft_penalty:
-            logits = self._apply_request_filters(ib, rows, states, positions, logits)
-        probs = torch.softmax(logits, dim=-1)
-        tmax = max(cfg.tree[:ndist])
-        top_p, top_i = probs.topk(tmax, dim=-1)
-        top_i = top_i.cpu().numpy()
-        contexts, cand_tokens = [], []
-        for r, (i, st, p) in enumerate(zip(rows, states, positions)):
-            tail = st.ngrams.n if st.ngrams is not None else 1
-            ctx = ib.token_ids_cpu[i, max(0, p + 1 - tail): p + 1].tolist()
-            contexts.append(ctx)
-            toks = set(int(t) for t in top_i[r].reshape(-1))
-            if st.ngrams is not None:
-                for first in (int(top_i[r, 0, 0]), ctx[-1]):
-                    for gram, _ in st.ngrams.topk(first, cfg.ngram_topk):
-                        toks.update(gram)
-            cand_tokens.append(sorted(toks))
-        # one gather of p_d(token) for every candidate token at every depth
-        width = max(len(t) for t in cand_tokens)
-        idx = np.zeros((n, width), dtype=np.int64)
-        for r, t in enumerate(cand_tokens):
-            idx[r, : len(t)] = t
-        gathered = probs.gather(2, torch.from_numpy(idx).to(probs.device).unsqueeze(1).expand(n, ndist, width))
-        gathered = gathered.cpu().numpy()
-        chains = []
-        sampled: dict[int, list[int | None]] = {}
-        random_rows = [r for r, st in enumerate(states) if st.temperature > 1e-5]
-        draw_of = {r: j for j, r in enumerate(random_rows)}
-        draws = None
-        if random_rows:
-            idx = torch.as_tensor(random_rows, dtype=torch.long, device=probs.device)
-            sub = probs[idx].reshape(len(random_rows) * ndist, -1)
-            draws = torch.multinomial(sub, 1).view(len(random_rows), ndist).cpu().tolist()
-        for r, st in enumerate(states):
-            if r in draw_of:
-                depth = min(ndist, self.num_spec_tokens)
-                toks = draws[draw_of[r]][:depth]
-                ch = Chain(list(toks), [SOURCE_HEADS] * depth, float(depth))
-                if st.ngrams is not None and cfg.ngram_topk > 0:
-                    extend_chain(ch, contexts[r], st.ngrams, self.num_spec_tokens, cfg.ngram_min_conf)
-                sampled[r] = list(range(depth)) + [None] * (len(ch.tokens) - depth)
-                chains.append(ch)
-                continue
-            lut = {tok: j for j, tok in enumerate(cand_tokens[r])}
-            g = gathered[r]
-
-            def prob(d, tok, lut=lut, g=g):
-                j = lut.get(tok)
-                return None if j is None or d >= g.shape[0] else float(g[d, j])
-
-            tree_tokens = [top_i[r, d, : cfg.tree[d]].tolist() for d in range(ndist)]
-            chains.append(select_chain(contexts[r], tree_tokens, prob, st.ngrams, cfg.ngram_topk,
-                                       self.num_spec_tokens, cfg.ngram_min_conf))
-        return chains, probs, sampled
-
-    def _apply_request_filters(self, ib, rows, states, positions, logits: torch.Tensor) -> torch.Tensor:
+    def _apply_request_filters(self, sel: list[_Row], logits: torch.Tensor) -> torch.Tensor:
         """The request's repetition penalty (windowed or global), temperature and min_p on
         every draft distribution, as the target's sampler will apply them (Sec 3.4).
-        The draft prefix of the chain is not added to the history (approximation)."""
+        The penalty history is kept incrementally per request (token counts on the
+        device); the draft prefix of the chain is not added (approximation)."""
         from vllm._custom_ops import apply_repetition_penalties
 
         n, ndist, v = logits.shape
-        pen_rows = [r for r, st in enumerate(states) if st.repetition_penalty != 1.0]
-        if pen_rows:
-            mask = torch.zeros((len(pen_rows), v), dtype=torch.bool)
-            for j, r in enumerate(pen_rows):
-                st, i, p = states[r], rows[r], positions[r]
-                start = max(0, p + 1 - st.window) if st.window else 0
-                hist = torch.from_numpy(ib.token_ids_cpu[i, start: p + 1].astype(np.int64))
-                mask[j, hist[hist < v]] = True
-            mask = mask.to(logits.device)
-            idx = torch.as_tensor(pen_rows, dtype=torch.long, device=logits.device)
-            sub = logits[idx].reshape(len(pen_rows) * ndist, v).contiguous()
-            pens = torch.as_tensor([states[r].repetition_penalty for r in pen_rows],
+        pen = [k for k, r in enumerate(sel) if r.state.repetition_penalty != 1.0]
+        if pen:
+            mask = torch.stack([self._penalty_mask(sel[k], v, logits.device) for k in pen])
+            idx = torch.as_tensor(pen, dtype=torch.long, device=logits.device)
+            sub = logits[idx].reshape(len(pen) * ndist, v).contiguous()
+            pens = torch.as_tensor([sel[k].state.repetition_penalty for k in pen],
                                    dtype=torch.float32, device=logits.device)
             m = mask.repeat_interleave(ndist, dim=0)
             apply_repetition_penalties(sub, m, torch.zeros_like(m), pens.repeat_interleave(ndist))
-            logits[idx] = sub.view(len(pen_rows), ndist, v)
-        temps = torch.as_tensor([st.temperature if st.temperature > 1e-5 else 1.0 for st in states],
+            logits[idx] = sub.view(len(pen), ndist, v)
+        temps = torch.as_tensor([r.state.temperature if r.state.sampled else 1.0 for r in sel],
                                 dtype=torch.float32, device=logits.device)
         logits = logits / temps.view(n, 1, 1)
-        mp_rows = [r for r, st in enumerate(states) if st.min_p > 0 and st.temperature > 1e-5]
-        if mp_rows:
+        mp = [k for k, r in enumerate(sel) if r.state.min_p > 0 and r.state.sampled]
+        if mp:
             from vllm_tokenswift.penalty import apply_min_p
 
-            idx = torch.as_tensor(mp_rows, dtype=torch.long, device=logits.device)
-            sub = logits[idx].reshape(len(mp_rows) * ndist, v)
-            mp = torch.as_tensor([states[r].min_p for r in mp_rows], dtype=torch.float32,
-                                 device=logits.device).repeat_interleave(ndist)
-            logits[idx] = apply_min_p(sub, mp).view(len(mp_rows), ndist, v)
+            idx = torch.as_tensor(mp, dtype=torch.long, device=logits.device)
+            sub = logits[idx].reshape(len(mp) * ndist, v)
+            mpv = torch.as_tensor([sel[k].state.min_p for k in mp], dtype=torch.float32,
+                                  device=logits.device).repeat_interleave(ndist)
+            logits[idx] = apply_min_p(sub, mpv).view(len(mp), ndist, v)
         return logits
 
-
-def _tp_all_gather(t: torch.Tensor) -> torch.Tensor:
-    """Gather a 1-D tensor from every tensor-parallel rank: ``[world, n]`` on the CPU,
-    rows in rank order (vLLM's TP group, on the device its communicator uses)."""
-    from vllm.distributed import get_tp_group
-
-    group = get_tp_group()
-    dev = getattr(group, "device", None) or t.device
-    out = group.all_gather(t.to(dev).contiguous(), dim=0)
-    return out.view(group.world_size, -1).cpu()
-
-
-def _kernel_blocks(group, cm):
-    """Map manager block ids to kernel block ids (a private copy, so per-layer tables
-    do not share vLLM's scratch buffer)."""
-    if getattr(group, "kernel_block_size", None) is None:
-        return cm
-    mapped = group.map_to_kernel_block_table(cm.block_table_tensor).clone()
-    return replace(cm, block_table_tensor=mapped)
-
-
-def _layer_index(name: str) -> tuple:
-    parts = []
-    for tok in name.split("."):
-        parts.append((0, int(tok), "") if tok.isdigit() else (1, 0, tok))
-    return tuple(parts)
+    def _penalty_mask(self, r: _Row, v: int, device) -> torch.Tensor:
+        """``[V]`` bool: tokens in the request's penalty history (the last ``window``
+        tokens of prompt + output up to ``x``, or all of them), from incrementally
+        maintained counts: only the tokens that entered or left the window since the
+        last call are read."""
+        st = r.state
+        hi = r.pos + 1
+        lo = max(0, hi - st.window) if st.window else 0
+        if st.pen_counts is None or st.pen_counts.device != torch.device(device) or lo < st.pen_lo \
+                or hi < st.pen_hi or lo >= st.pen_hi:
+            st.pen_counts = torch.zeros(v, dtype=torch.int32, device=device)
+            st.pen_lo = st.pen_hi = lo
+        ids = self._row_tokens
+        row = ids[r.batch_row]
+        if hi > st.pen_hi:
+            add = torch.as_tensor(row[st.pen_hi: hi].astype(np.int64), device=device)
+            add = add[add < v]
+            st.pen_counts.index_add_(0, add, torch.ones_like(add, dtype=torch.int32))
+        if lo > st.pen_lo:
+            sub = torch.as_tensor(row[st.pen_lo: lo].astype(np.int64), device=device)
+            sub = sub[sub < v]
+            st.pen_counts.index_add_(0, sub, torch.full_like(sub, -1, dtype=torch.int32))
+        st.pen_lo, st.pen_hi = lo, hi
+        return st.pen_counts > 0

@@ -5,7 +5,9 @@ Example::
     vllm-tokenswift bench --methods ar,tokenswift,ngram,suffix --gen-lens 2048,4096 \\
         --batch-sizes 1 --sampling greedy,paper --repeats 1 --out runs/bench
 
-writes ``results.json``, ``results.csv``, ``summary.md`` and PNG plots to ``--out``.
+writes ``results.json``, ``results.csv``, ``summary.md`` and PNG plots to ``--out``;
+vLLM's log lines go to ``OUT/vllm.log`` (``--verbose``: to the terminal). The target is
+SmolLM2-135M-Instruct with its heads by default (``--model tiny``: the bundled demo model).
 """
 
 from __future__ import annotations
@@ -54,8 +56,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         + " (default ar,tokenswift,ngram,suffix)")
     p.add_argument("--gen-lens", type=_ints, default=None,
                    help="generated tokens per sequence, comma-separated (default: "
-                        + ",".join(map(str, h.CPU_GEN_LENS)) + " on CPU; the paper's "
-                        + ",".join(map(str, h.GPU_GEN_LENS)) + " on CUDA)")
+                        + ",".join(map(str, h.CPU_GEN_LENS)) + " on CPU, the paper's "
+                        + ",".join(map(str, h.GPU_GEN_LENS)) + " on CUDA, cut to the model's window "
+                        "(max_position_embeddings x --yarn) minus the prefix, which is added as the "
+                        "longest length when it cuts the ladder)")
     p.add_argument("--batch-sizes", type=_ints, default=[1], help="comma-separated (default 1)")
     p.add_argument("--sampling", type=_csv, default=["greedy", "paper"],
                    help="greedy,paper (default both); paper = T 1.0, min_p 0.1, repetition "
@@ -63,8 +67,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1, help="timed runs per setting (default 1)")
     p.add_argument("--out", default=os.path.join("runs", "bench-" + time.strftime("%Y%m%d-%H%M%S")),
                    help="output folder (default runs/bench-TIMESTAMP)")
-    p.add_argument("--model", default=h.DEFAULT_MODEL, help="target model folder (default: demo model)")
-    p.add_argument("--heads", default=h.DEFAULT_HEADS, help="TokenSwift heads folder (default: demo heads)")
+    p.add_argument("--model", default=h.DEFAULT_MODEL,
+                   help="target model: smollm2 (default: SmolLM2-135M-Instruct, converted once), tiny "
+                        "(the bundled 12.6M demo model) or a folder")
+    p.add_argument("--heads", default=None,
+                   help="TokenSwift heads folder (default: the heads bundled for --model)")
+    p.add_argument("--yarn", type=float, default=None, metavar="FACTOR",
+                   help="extend the model's window FACTOR times with YaRN rope scaling (vLLM "
+                        "hf_overrides); quality degrades past the trained window")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
     p.add_argument("--prompt-files", nargs="+", default=None,
                    help=".txt prompts (tokenized) or .json token-id lists; default: bundled prompts")
@@ -72,9 +82,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="seeded random token ids instead of prompt files (smoke tests)")
     p.add_argument("--prefix-len", type=int, default=2048,
                    help="prompt tokens per sequence, capped to fit the model window (default 2048)")
-    p.add_argument("--k", type=int, default=4, help="TokenSwift num_speculative_tokens (default 4)")
+    p.add_argument("--k", type=int, default=h.DEFAULT_K,
+                   help=f"TokenSwift num_speculative_tokens (default {h.DEFAULT_K})")
+    p.add_argument("--kv-budget", type=int, default=h.DEFAULT_KV_BUDGET,
+                   help=f"TokenSwift draft KV budget in tokens (default {h.DEFAULT_KV_BUDGET}); "
+                        "a kv_budget in --tokenswift wins")
     p.add_argument("--tokenswift", type=json.loads, default={},
-                   help='JSON merged into every variant\'s "tokenswift" settings, e.g. \'{"kv_budget": 1024}\'')
+                   help='JSON merged into every variant\'s "tokenswift" settings, e.g. \'{"sink_tokens": 32}\'')
     p.add_argument("--method-config", type=_method_config, action="append", default=[],
                    metavar="NAME=JSON",
                    help="define or override a method's speculative_config ('null' = AR), repeatable")
@@ -94,6 +108,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="sets VLLM_CPU_OMP_THREADS_BIND (e.g. 0 or 0-1) before vLLM starts")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--verbose", action="store_true",
+                   help="show vLLM's log lines instead of writing them to OUT/vllm.log")
     p.set_defaults(func=run_cli)
     r = subparsers.add_parser(
         "bench-report", help="merge results.json files of several bench runs into one report",
@@ -158,9 +174,20 @@ def run_report_cli(args: argparse.Namespace) -> int:
     return 0
 
 
-def config_from_args(args: argparse.Namespace):
-    """Build a :class:`~vllm_tokenswift.bench.harness.BenchConfig` from parsed args."""
-    from vllm_tokenswift.bench.harness import SAMPLING_PRESETS, BenchConfig, default_gen_lens
+def config_from_args(args: argparse.Namespace, fetch: bool = True):
+    """Build a :class:`~vllm_tokenswift.bench.harness.BenchConfig` from parsed args.
+
+    Resolves ``--model`` (``smollm2`` is converted on first use unless ``fetch`` is
+    false) and the default heads, and picks the default generation lengths from the
+    model's window.
+
+    Raises:
+        ValueError: a bad argument (unknown sampling, repeats < 1, bad --engine-arg,
+            bad --yarn, a prefix that fills the window).
+        vllm_tokenswift.models.ModelFetchError: the model could not be converted.
+    """
+    from vllm_tokenswift.bench.harness import DEFAULT_KV_BUDGET, SAMPLING_PRESETS, BenchConfig, default_gen_lens
+    from vllm_tokenswift.models import model_window, resolve_target, yarn_overrides
 
     for s in args.sampling:
         if s not in SAMPLING_PRESETS:
@@ -176,17 +203,24 @@ def config_from_args(args: argparse.Namespace):
             engine_kwargs[key] = json.loads(val)
         except ValueError:
             engine_kwargs[key] = val
+    model, heads = resolve_target(args.model, args.heads, fetch=fetch)
+    yarn = getattr(args, "yarn", None)
+    if yarn:
+        yarn_overrides(model, yarn)  # raises ValueError early on a bad factor or config
+    gen_lens = args.gen_lens or default_gen_lens(window=model_window(model, yarn),
+                                                 prefix_len=args.prefix_len)
+    ts = {"kv_budget": getattr(args, "kv_budget", None) or DEFAULT_KV_BUDGET, **dict(args.tokenswift or {})}
     return BenchConfig(
-        methods=list(args.methods), gen_lens=list(args.gen_lens or default_gen_lens()),
+        methods=list(args.methods), gen_lens=list(gen_lens),
         batch_sizes=list(args.batch_sizes), samplings=list(args.sampling),
-        repeats=args.repeats, out_dir=args.out, model=args.model, heads=args.heads,
+        repeats=args.repeats, out_dir=args.out, model=model, heads=heads or "",
         tokenizer=args.tokenizer, prompt_files=args.prompt_files,
         random_prompts=args.random_prompts, prefix_len=args.prefix_len, k=args.k,
-        tokenswift=dict(args.tokenswift or {}), method_configs=dict(args.method_config),
+        tokenswift=ts, method_configs=dict(args.method_config),
         engine_scope=args.engine_scope, enforce_eager=args.enforce_eager,
         kv_cache_gb=args.kv_cache_gb, dtype=args.dtype, seed=args.seed,
         warmup_tokens=args.warmup_tokens, save_tokens=args.save_tokens,
-        engine_kwargs=engine_kwargs)
+        engine_kwargs=engine_kwargs, yarn=yarn)
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -195,10 +229,11 @@ def run_cli(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from vllm_tokenswift.bench import harness, report
+    from vllm_tokenswift.models import ModelFetchError
 
     try:
         cfg = config_from_args(args)
-    except ValueError as e:
+    except (ValueError, ModelFetchError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.cpu_threads_bind:
@@ -212,16 +247,21 @@ def run_cli(args: argparse.Namespace) -> int:
     def save(records):
         report.write_json(records, os.path.join(cfg.out_dir, "results.json"))
 
-    try:
-        records = harness.run_bench(cfg, progress=not args.quiet, on_records=save)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    log = None if getattr(args, "verbose", False) else os.path.join(cfg.out_dir, "vllm.log")
+    with harness.engine_output_to(log) as (out, err):
+        if log:
+            print(f"vLLM log: {log}", file=out, flush=True)
+        try:
+            records = harness.run_bench(cfg, progress=not args.quiet, on_records=save, bar_file=err)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"error: {e}", file=err)
+            return 2
     md_meta = {"model": cfg.model, "heads": cfg.heads, "prefix_len": records[0]["prefix_len"]
                if records else cfg.prefix_len, "methods": ", ".join(cfg.methods),
                "gen_lens": cfg.gen_lens, "batch_sizes": cfg.batch_sizes,
                "sampling": ", ".join(cfg.samplings), "repeats": cfg.repeats,
-               "engine_scope": cfg.engine_scope, "dtype": cfg.dtype}
+               "engine_scope": cfg.engine_scope, "dtype": cfg.dtype, "k": cfg.k,
+               "tokenswift": json.dumps(cfg.tokenswift), "yarn": cfg.yarn}
     paths = report.write_report(records, cfg.out_dir, meta=md_meta, plots=not args.no_plots)
     rows = report.summarize(records)
     print(report.markdown_table(rows))

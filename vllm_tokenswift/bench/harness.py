@@ -18,6 +18,7 @@ vLLM is imported lazily, inside the functions that need it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import glob
@@ -25,18 +26,27 @@ import importlib.util
 import json
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence, TextIO
 
 from vllm_tokenswift.bench import report
 
 logger = logging.getLogger("vllm_tokenswift.bench")
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_MODEL = os.path.join(_PKG_DIR, "assets", "demo-model")
-DEFAULT_HEADS = os.path.join(_PKG_DIR, "assets", "demo-heads")
+#: Default target: a model name resolved by :func:`vllm_tokenswift.models.resolve_target`
+#: (``smollm2``: SmolLM2-135M-Instruct + its heads; ``tiny``: the bundled demo model).
+DEFAULT_MODEL = "smollm2"
+#: The bundled 12.6M demo model and heads (``--model tiny``).
+TINY_MODEL = os.path.join(_PKG_DIR, "assets", "demo-model")
+TINY_HEADS = os.path.join(_PKG_DIR, "assets", "demo-heads")
 DEFAULT_PROMPT_GLOB = os.path.join(_PKG_DIR, "assets", "prompts", "*.txt")
+#: TokenSwift defaults of the benchmark for SmolLM2 on CPU: k = 8 and a 1,024-token
+#: draft KV budget (8 KV blocks of 128 tokens on vLLM's CPU backend).
+DEFAULT_K = 8
+DEFAULT_KV_BUDGET = 1024
 
 #: Sampling presets. ``paper``: the TokenSwift paper's min-p setting (Sec 4.1,
 #: Appendix D) with the contextual (windowed) repetition penalty, Eq. 3.
@@ -54,6 +64,8 @@ TOKENSWIFT_VARIANTS: dict[str, dict[str, Any]] = {
     "tokenswift-fullkv": {"draft_kv": "full"},
     "tokenswift-static": {"draft_kv": "static"},
     "tokenswift-nopenalty": {},  # same engine; the requests carry no repetition penalty
+    "tokenswift-paper": {"policy": "paper"},  # the paper's drafting: a draft forward every step
+    "tokenswift-nofused": {"fused_heads": False},  # adaptive policy without the fused-heads option
 }
 
 #: vLLM n-gram (prompt lookup) settings. ``ngram``: vLLM's documented example;
@@ -123,7 +135,7 @@ class BenchConfig:
         samplings: sampling preset names (:data:`SAMPLING_PRESETS`).
         repeats: timed runs per setting.
         out_dir: output folder.
-        model: target model folder.
+        model: target model folder (resolved; see :func:`vllm_tokenswift.models.resolve_target`).
         heads: TokenSwift heads folder.
         tokenizer: tokenizer folder (default: the model's).
         prompt_files: ``.txt`` files (tokenized) or ``.json`` token-id lists.
@@ -142,6 +154,8 @@ class BenchConfig:
             setting, with the setting's sampling parameters).
         save_tokens: also write each run's output token ids under ``out_dir/tokens``.
         engine_kwargs: extra ``vllm.LLM`` keyword arguments.
+        yarn: extend the model's window this many times with YaRN rope scaling
+            (``hf_overrides``, :func:`vllm_tokenswift.models.yarn_overrides`); None: off.
     """
 
     methods: list[str] = field(default_factory=lambda: ["ar", "tokenswift", "ngram", "suffix"])
@@ -150,13 +164,13 @@ class BenchConfig:
     samplings: list[str] = field(default_factory=lambda: ["greedy", "paper"])
     repeats: int = 1
     out_dir: str = "bench-out"
-    model: str = DEFAULT_MODEL
-    heads: str = DEFAULT_HEADS
+    model: str = TINY_MODEL
+    heads: str = TINY_HEADS
     tokenizer: str | None = None
     prompt_files: list[str] | None = None
     random_prompts: bool = False
     prefix_len: int = 2048
-    k: int = 4
+    k: int = DEFAULT_K
     tokenswift: dict[str, Any] = field(default_factory=dict)
     method_configs: dict[str, Any] = field(default_factory=dict)
     engine_scope: str = "method"
@@ -167,6 +181,7 @@ class BenchConfig:
     warmup_tokens: int = 32
     save_tokens: bool = False
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    yarn: float | None = None
 
 
 # ---------------------------------------------------------------------------
@@ -234,7 +249,9 @@ def method_unavailable(method: str, spec: dict[str, Any] | None) -> str | None:
     if spec and spec.get("method") == "tokenswift":
         heads = spec.get("model")
         use_heads = (spec.get("tokenswift") or {}).get("use_heads", True)
-        if use_heads and heads and not os.path.exists(heads):
+        if use_heads and not heads:
+            return "no TokenSwift heads for this model: pass --heads FOLDER"
+        if use_heads and not os.path.exists(heads):
             return f"TokenSwift heads folder not found: {heads}"
     return None
 
@@ -243,16 +260,12 @@ def method_unavailable(method: str, spec: dict[str, Any] | None) -> str | None:
 # Prompts
 # ---------------------------------------------------------------------------
 
-def model_max_len(model_dir: str) -> int | None:
-    """``max_position_embeddings`` from the model's config.json, if readable."""
-    try:
-        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):
-        return None
-    cfg = {**cfg, **(cfg.get("text_config") or {})}
-    v = cfg.get("max_position_embeddings")
-    return int(v) if v else None
+def model_max_len(model_dir: str, yarn: float | None = None) -> int | None:
+    """The model's window: ``max_position_embeddings`` from its config.json (× ``yarn``
+    when the window is extended with YaRN), or None if unreadable."""
+    from vllm_tokenswift.models import model_window
+
+    return model_window(model_dir, yarn)
 
 
 #: Default generation lengths: the issue's CPU ladder, and the paper's 20K-100K on GPUs.
@@ -260,20 +273,41 @@ CPU_GEN_LENS = [2048, 4096, 8192, 16384]
 GPU_GEN_LENS = [20480, 40960, 61440, 81920, 102400]
 
 
-def default_gen_lens(cuda: bool | None = None) -> list[int]:
+def default_gen_lens(cuda: bool | None = None, window: int | None = None,
+                     prefix_len: int = 0) -> list[int]:
     """Generation lengths used when ``--gen-lens`` is not given.
 
     Args:
         cuda: whether a CUDA device is used (default: ``torch.cuda.is_available()``).
+        window: the model's window in tokens (``max_position_embeddings`` × YaRN
+            factor); None: no limit.
+        prefix_len: prompt tokens per sequence.
     Returns:
-        :data:`GPU_GEN_LENS` (paper Sec 4.1, 20K-100K tokens; needs a model whose
-        window holds prefix + 100K) on CUDA, else :data:`CPU_GEN_LENS`.
+        the ladder, :data:`GPU_GEN_LENS` (paper Sec 4.1, 20K-100K tokens) on CUDA, else
+        :data:`CPU_GEN_LENS`, cut to what fits ``window - prefix_len``; when the window
+        cuts the ladder, ``window - prefix_len`` itself is added as the longest length
+        (the prefix is then trimmed by the harness' 64-token margin, see
+        :func:`effective_prefix_len`). SmolLM2 (8,192) with a 2,048-token prefix:
+        ``[2048, 4096, 6144]``; with ``--yarn 2``: ``[2048, 4096, 8192, 14336]``.
+
+    Raises:
+        ValueError: the prefix leaves no room in the window.
     """
     if cuda is None:
         import torch
 
         cuda = bool(torch.cuda.is_available())
-    return list(GPU_GEN_LENS if cuda else CPU_GEN_LENS)
+    ladder = list(GPU_GEN_LENS if cuda else CPU_GEN_LENS)
+    if window is None:
+        return ladder
+    room = int(window) - int(prefix_len)
+    if room < 16:
+        raise ValueError(f"a {prefix_len}-token prefix leaves no room to generate in the model's "
+                         f"{window}-token window; use a shorter --prefix-len or --yarn")
+    lens = [g for g in ladder if g <= room]
+    if len(lens) < len(ladder) and room not in lens:
+        lens.append(room)
+    return lens
 
 
 def effective_prefix_len(prefix_len: int, gen_lens: Sequence[int], max_len: int | None,
@@ -383,8 +417,55 @@ def build_engine(cfg: BenchConfig, spec: dict[str, Any] | None, max_model_len: i
         kw["kv_cache_memory_bytes"] = int(cfg.kv_cache_gb * (1 << 30))
     if spec:
         kw["speculative_config"] = spec
+    if cfg.yarn:
+        from vllm_tokenswift.models import yarn_overrides
+
+        kw["hf_overrides"] = yarn_overrides(cfg.model, cfg.yarn)
     kw.update(cfg.engine_kwargs)
     return LLM(**kw)
+
+
+@contextlib.contextmanager
+def engine_output_to(log_path: str | os.PathLike | None) -> Iterator[tuple[TextIO, TextIO]]:
+    """Send everything written to file descriptors 1 and 2 to ``log_path``; yield
+    ``(out, err)`` text streams that still reach the original stdout/stderr.
+
+    vLLM logs through handlers bound to ``sys.stdout`` and its engine-core and worker
+    processes inherit the file descriptors, so redirecting the descriptors (not only
+    ``sys.stdout``) catches every start-up line, warning and child-process message. The
+    command prints its own lines and progress bars to ``out``/``err``. Everything is
+    restored on exit. ``log_path`` None: nothing is redirected and ``(sys.stdout,
+    sys.stderr)`` are yielded (``--verbose``).
+
+    Args:
+        log_path: file to append to (its folder is created).
+    """
+    if log_path is None:
+        yield sys.stdout, sys.stderr
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    saved = (os.dup(1), os.dup(2))
+    out = os.fdopen(os.dup(saved[0]), "w", buffering=1, encoding="utf-8", errors="replace")
+    err = os.fdopen(os.dup(saved[1]), "w", buffering=1, encoding="utf-8", errors="replace")
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        yield out, err
+    finally:
+        for stream in (sys.stdout, sys.stderr, out, err):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for f in saved:
+            os.close(f)
+        out.close()
+        err.close()
 
 
 def teardown_engine(llm: Any) -> None:
@@ -450,10 +531,13 @@ def plugin_stats_after(llm: Any, was_reset: bool, before: dict | None, k: int
 
     Keys: ``ngram_acceptance`` (β), ``draft_time_share``, ``time_draft_s``,
     ``time_verify_s`` (engine-step time outside the proposer: verification forward,
-    sampling and bookkeeping), ``plugin_stats`` (raw dict).
+    sampling and bookkeeping), ``steps_by_kind`` / ``accepted_by_kind`` (request-steps
+    per drafting decision and the draft tokens accepted after each, this run only),
+    ``plugin_stats`` (raw dict).
     """
     res: dict[str, Any] = {"ngram_acceptance": None, "draft_time_share": None,
-                           "time_draft_s": None, "time_verify_s": None, "plugin_stats": None}
+                           "time_draft_s": None, "time_verify_s": None, "plugin_stats": None,
+                           "steps_by_kind": None, "accepted_by_kind": None}
     get = _plugin_fn("get_engine_stats")
     if get is None:
         return res
@@ -472,6 +556,8 @@ def plugin_stats_after(llm: Any, was_reset: bool, before: dict | None, k: int
         tot = st.get("time_total_s") or 0
         st["draft_time_share"] = (st.get("time_draft_s", 0) / tot) if tot else None
     res["plugin_stats"] = st
+    res["steps_by_kind"] = st.get("steps_by_kind")
+    res["accepted_by_kind"] = st.get("accepted_by_kind")
     res["ngram_acceptance"] = st.get("ngram_acceptance")
     res["draft_time_share"] = st.get("draft_time_share")
     res["time_draft_s"] = st.get("time_draft_s")
@@ -519,7 +605,8 @@ def timed_run(llm: Any, prompts: list[list[int]], sp_kwargs: dict[str, Any], gen
         rec.update(plugin_stats_after(llm, was_reset, pbefore, k or 0))
     else:
         rec.update({"ngram_acceptance": None, "draft_time_share": None,
-                    "time_draft_s": None, "time_verify_s": None})
+                    "time_draft_s": None, "time_verify_s": None, "steps_by_kind": None,
+                    "accepted_by_kind": None})
     rec.update(report.distinct_scores(ids))
     return rec, ids
 
@@ -583,7 +670,8 @@ def _base_record(method: str, g: int, b: int, s: str, rep: int, prefix: int, cfg
 
 
 def run_bench(cfg: BenchConfig, progress: bool = True,
-              on_records: Callable[[list[dict]], None] | None = None) -> list[dict]:
+              on_records: Callable[[list[dict]], None] | None = None,
+              bar_file: TextIO | None = None) -> list[dict]:
     """Run every method and setting of ``cfg``; return the records.
 
     Args:
@@ -591,10 +679,11 @@ def run_bench(cfg: BenchConfig, progress: bool = True,
         progress: show tqdm bars (runs and engines).
         on_records: called with all records so far after each engine (for
             incremental saving).
+        bar_file: stream of the progress bar (default stderr; see :func:`engine_output_to`).
     """
     from tqdm import tqdm
 
-    max_len = model_max_len(cfg.model)
+    max_len = model_max_len(cfg.model, cfg.yarn)
     prefix = effective_prefix_len(cfg.prefix_len, cfg.gen_lens, max_len)
     streams = load_prompt_tokens(cfg)
     prompts_by_b = {b: build_prompts(streams, b, prefix) for b in cfg.batch_sizes}
@@ -602,7 +691,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True,
     records: list[dict] = []
     outputs: dict[tuple, list[list[int]]] = {}
     total_runs = len(cfg.methods) * len(settings) * cfg.repeats
-    bar = tqdm(total=total_runs, desc="bench runs", disable=not progress)
+    bar = tqdm(total=total_runs, desc="bench runs", disable=not progress, file=bar_file or sys.stderr,
+               dynamic_ncols=True)
     tok_dir = os.path.join(cfg.out_dir, "tokens")
 
     for method in cfg.methods:
@@ -625,6 +715,9 @@ def run_bench(cfg: BenchConfig, progress: bool = True,
         groups = ([settings] if cfg.engine_scope == "method" else [[st] for st in settings])
         for group in groups:
             mml = prefix + max(g for g, _, _ in group) + 64
+            budget = ((spec or {}).get("tokenswift") or {}).get("kv_budget") if is_ts else None
+            if budget and budget > mml and (max_len is None or budget <= max_len):
+                mml = int(budget)  # the plugin refuses kv_budget > max_model_len; no memory cost
             llm = None
             try:
                 bar.set_postfix_str(f"{method}: starting engine")

@@ -27,6 +27,9 @@ A *record* is one timed run of one method in one setting (a ``dict``). Keys
   ``ar_common_prefix_tokens`` (greedy: tokens equal to AR's before the first
   difference, minimum over outputs), ``ttft_s`` (time to first token, s) and
   ``decode_tokens_per_s`` (tokens after the first / time after it).
+* ``steps_by_kind`` / ``accepted_by_kind`` (TokenSwift only): request-steps per
+  drafting decision (``forward``, ``fused``, ``ngram``, ``none``) and the draft tokens
+  accepted after each kind, from the plugin's counters for this run.
 """
 
 from __future__ import annotations
@@ -47,14 +50,15 @@ RECORD_FIELDS: list[str] = [
     "identical_to_ar", "distinct_1", "distinct_2", "distinct_3", "distinct_4",
     "num_tokens", "wall_s", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
     "num_speculative_tokens", "time_draft_s", "time_verify_s", "prefix_len",
-    "ar_common_prefix_tokens", "ttft_s", "decode_tokens_per_s", "note",
+    "ar_common_prefix_tokens", "ttft_s", "decode_tokens_per_s", "steps_by_kind",
+    "accepted_by_kind", "note",
 ]
 
 #: Columns of the markdown summary table.
 SUMMARY_COLUMNS: list[str] = [
     "method", "sampling", "batch", "gen_len", "repeats", "tok/s med", "tok/s min",
     "ms/tok med", "ms/tok min", "speedup med", "alpha", "mean acc len", "beta",
-    "draft share", "identical to AR", "distinct-1", "distinct-2", "distinct-3", "distinct-4",
+    "draft share", "decision mix % fwd/fused/ngram/none", "identical to AR", "distinct-1", "distinct-2", "distinct-3", "distinct-4",
     "note",
 ]
 
@@ -130,16 +134,60 @@ def spec_counters_from_metrics(metrics: Iterable[Any]) -> dict[str, Any]:
 
 
 def counter_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """``after - before`` for every numeric key and element-wise for lists (cumulative counters)."""
+    """``after - before`` for every numeric key, element-wise for lists and key-wise for
+    nested dicts (cumulative counters such as ``steps_by_kind``)."""
     d: dict[str, Any] = {}
     for k, a in after.items():
         b = before.get(k)
         if isinstance(a, list):
             b = list(b or [])
             d[k] = [int(x) - (int(b[i]) if i < len(b) else 0) for i, x in enumerate(a)]
+        elif isinstance(a, dict):
+            d[k] = counter_delta(b if isinstance(b, dict) else {}, a)
         elif isinstance(a, (int, float)) and not isinstance(a, bool):
             d[k] = a - (b if isinstance(b, (int, float)) and not isinstance(b, bool) else 0)
     return d
+
+
+#: The drafting policy's step kinds, in the order reports show them (``metrics.STEP_KINDS``:
+#: draft forward over the budgeted view, fused heads on the verification forward's hidden
+#: state, an n-gram chain alone, no draft).
+STEP_KINDS = ("forward", "fused", "ngram", "none")
+
+
+def decision_mix_fractions(steps_by_kind: dict | None) -> dict[str, float] | None:
+    """Share of request-steps per step kind, ``{kind: fraction}`` in :data:`STEP_KINDS`
+    order (unknown kinds appended), summing to 1; None when there are no steps.
+    ``steps_by_kind`` holds counts (or fractions already: the result is the same)."""
+    if not isinstance(steps_by_kind, dict):
+        return None
+    kinds = list(STEP_KINDS) + sorted(k for k in steps_by_kind if k not in STEP_KINDS)
+    counts = {k: max(0.0, float(steps_by_kind.get(k) or 0)) for k in kinds}
+    total = sum(counts.values())
+    if total <= 0:
+        return None
+    return {k: v / total for k, v in counts.items()}
+
+
+def format_decision_mix(steps_by_kind: dict | None) -> str | None:
+    """``"62/20/15/3"``: percent of request-steps that were forward/fused/ngram/none
+    (:data:`STEP_KINDS` order), or None without steps."""
+    frac = decision_mix_fractions(steps_by_kind)
+    if not frac:
+        return None
+    return "/".join(f"{100 * frac[k]:.0f}" for k in STEP_KINDS)
+
+
+def _sum_dicts(ds: Iterable[Any]) -> dict | None:
+    tot: dict[str, float] = {}
+    seen = False
+    for d in ds:
+        if isinstance(d, dict):
+            seen = True
+            for k, v in d.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    tot[k] = tot.get(k, 0) + v
+    return tot if seen else None
 
 
 def acceptance_from_counters(delta: dict[str, Any], num_speculative_tokens: int | None
@@ -229,7 +277,9 @@ def summarize(records: list[dict]) -> list[dict]:
     ``tokens_per_s_median/min``, ``latency_ms_median/min``, ``speedup_median``,
     ``acceptance_rate``, ``mean_accepted_length``, ``ngram_acceptance``,
     ``draft_time_share``, ``distinct_1..4`` (medians), ``identical_to_ar`` (all
-    repeats identical; ``None`` when not applicable), ``status`` and ``note``.
+    repeats identical; ``None`` when not applicable), ``steps_by_kind`` and
+    ``accepted_by_kind`` (summed over repeats; ``None`` without TokenSwift counters),
+    ``status`` and ``note``.
     Rows keep the order in which settings first appear.
     """
     groups: dict[tuple, list[dict]] = {}
@@ -251,6 +301,9 @@ def summarize(records: list[dict]) -> list[dict]:
             "speedup_median": _median(r.get("speedup_vs_ar") for r in ok),
             "identical_to_ar": (all(ident) if ident else None),
             "note": "; ".join(notes),
+            # summed over repeats (counts), not medians
+            "steps_by_kind": _sum_dicts(r.get("steps_by_kind") for r in ok),
+            "accepted_by_kind": _sum_dicts(r.get("accepted_by_kind") for r in ok),
         }
         for f in ("acceptance_rate", "mean_accepted_length", "ngram_acceptance",
                   "draft_time_share", "distinct_1", "distinct_2", "distinct_3", "distinct_4",
@@ -323,7 +376,8 @@ def markdown_table(rows: list[dict]) -> str:
                  _fmt(r["latency_ms_median"], 2), _fmt(r["latency_ms_min"], 2),
                  _fmt(r["speedup_median"], 2), _fmt(r["acceptance_rate"], 3),
                  _fmt(r["mean_accepted_length"], 2), _fmt(r["ngram_acceptance"], 3),
-                 _fmt(r["draft_time_share"], 2), _fmt(r["identical_to_ar"]),
+                 _fmt(r["draft_time_share"], 2), _fmt(format_decision_mix(r.get("steps_by_kind"))),
+                 _fmt(r["identical_to_ar"]),
                  _fmt(r["distinct_1"], 3), _fmt(r["distinct_2"], 3), _fmt(r["distinct_3"], 3),
                  _fmt(r["distinct_4"], 3), _fmt(note)]
         lines.append("| " + " | ".join(_fmt(c) if not isinstance(c, str) else c.replace("|", "/")
@@ -344,8 +398,9 @@ def write_markdown(records: list[dict], path: str, meta: dict | None = None) -> 
             "speedup = method tok/s ÷ AR tok/s of the same gen_len/batch/sampling "
             "(= AR latency / method latency, paper Eq. 5). alpha = accepted / "
             "(num_speculative_tokens × drafts) (Eq. 4); mean acc len = 1 + accepted / drafts; "
-            "beta = n-gram acceptance (Eq. 6, TokenSwift plugin only); distinct-n per output, "
-            "averaged (Table 6).", "", markdown_table(rows), "",
+            "beta = n-gram acceptance (Eq. 6, TokenSwift plugin only); decision mix = share of "
+            "request-steps by the drafting policy's choice (draft forward / fused heads / n-gram "
+            "chain alone / no draft, TokenSwift only); distinct-n per output, averaged (Table 6).", "", markdown_table(rows), "",
             "Figures: `speedup_vs_gen_len.png`, `acceptance_vs_gen_len.png`, "
             "`tokenswift_time_breakdown.png`.", ""]
     with open(path, "w", encoding="utf-8") as f:
@@ -375,7 +430,9 @@ def step_breakdown(rows: list[dict]) -> list[dict]:
     ``method, sampling, batch_size, gen_len, tokens_per_step`` and ``step_ms``,
     ``draft_ms`` (proposer), ``verify_ms`` (the rest of the worker's step: target
     forward + rejection sampling; AR: the decode step), ``other_ms`` (wall time outside
-    the worker), all in milliseconds per step. TokenSwift rows without timings are left out.
+    the worker), all in milliseconds per step, and ``decision_mix`` (TokenSwift rows:
+    :func:`decision_mix_fractions` of the row's ``steps_by_kind``, else None; AR: None).
+    TokenSwift rows without timings are left out.
     """
     out: list[dict] = []
     ar = {(r["sampling"], r["batch_size"], r["gen_len"]): r for r in rows if r["method"] == "ar"}
@@ -391,14 +448,15 @@ def step_breakdown(rows: list[dict]) -> list[dict]:
             step = 1000.0 * a["wall_s"] / a["gen_len"]
             out.append({"method": "ar", "sampling": key[0], "batch_size": key[1], "gen_len": key[2],
                         "tokens_per_step": 1.0, "step_ms": step, "draft_ms": 0.0, "verify_ms": step,
-                        "other_ms": 0.0})
+                        "other_ms": 0.0, "decision_mix": None})
         steps = r["gen_len"] / r["mean_accepted_length"]
         step = 1000.0 * r["wall_s"] / steps
         d = 1000.0 * r["time_draft_s"] / steps
         v = 1000.0 * (r.get("time_verify_s") or 0.0) / steps
         out.append({"method": r["method"], "sampling": key[0], "batch_size": key[1], "gen_len": key[2],
                     "tokens_per_step": r["mean_accepted_length"], "step_ms": step, "draft_ms": d,
-                    "verify_ms": v, "other_ms": max(0.0, step - d - v)})
+                    "verify_ms": v, "other_ms": max(0.0, step - d - v),
+                    "decision_mix": decision_mix_fractions(r.get("steps_by_kind"))})
     return out
 
 
@@ -469,7 +527,11 @@ def write_plots(records: list[dict], out_dir: str) -> list[str]:
         ax.bar(x, verify, bottom=draft, label="verification / decode forward + sampling")
         ax.bar(x, other, bottom=[d + v for d, v in zip(draft, verify)], label="other (front end, scheduling)")
         for xi, b in zip(x, bars):
-            ax.text(xi, b["step_ms"], f"{b['tokens_per_step']:.2f} tok", ha="center", va="bottom", fontsize=6)
+            label = f"{b['tokens_per_step']:.2f} tok"
+            mix = format_decision_mix(b.get("decision_mix"))
+            if mix:
+                label += f"\n{mix}"
+            ax.text(xi, b["step_ms"], label, ha="center", va="bottom", fontsize=6)
         ax.set_xticks(x)
         ax.set_xticklabels(labels, fontsize=6)
         ax.set_ylabel("ms per engine step (median run)")
@@ -478,7 +540,8 @@ def write_plots(records: list[dict], out_dir: str) -> list[str]:
         ax.text(0.5, 0.5, "no TokenSwift timing recorded\n(time_draft_s missing)",
                 ha="center", va="center", transform=ax.transAxes)
         ax.set_xticks([])
-    ax.set_title("Where a TokenSwift step spends its time (AR step for reference)")
+    ax.set_title("Where a TokenSwift step spends its time (AR step for reference)\n"
+                 "above bars: tokens per step; % of steps forward/fused/ngram/none", fontsize=9)
     fig.tight_layout()
     p = os.path.join(out_dir, "tokenswift_time_breakdown.png")
     fig.savefig(p, dpi=110)

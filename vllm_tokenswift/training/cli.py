@@ -40,7 +40,9 @@ def add_parser(subparsers) -> None:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    tr.add_argument("--model", required=True, help="base model folder or hub id (frozen)")
+    tr.add_argument("--model", default="smollm2",
+                    help="base model (frozen): 'smollm2' (SmolLM2-135M-Instruct, the default; converted "
+                         "on first use), 'tiny' (the bundled 12.6M demo model), a folder or a hub id")
     tr.add_argument("--data", required=True, help=_DATA_HELP)
     tr.add_argument("--out", required=True, help="output folder for the heads, logs and checkpoint")
     tr.add_argument("--seq-len", type=_positive_int, default=8192,
@@ -57,14 +59,23 @@ def add_parser(subparsers) -> None:
     tr.add_argument("--chunk-size", type=_positive_int, default=1024,
                     help="positions per loss chunk; bounds logits memory to 3 x chunk x vocab")
     tr.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    tr.add_argument("--yarn", type=float, default=None, metavar="FACTOR",
+                    help="extend the model's window FACTOR times with YaRN rope scaling (the same "
+                         "overrides as generate/bench --yarn), e.g. to train or evaluate past 8K")
     tr.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="base model dtype (auto: bfloat16 on CUDA, float32 on CPU; heads stay float32)")
     tr.add_argument("--seed", type=int, default=0, help="seed for RNGs and the data order")
     tr.add_argument("--max-docs", type=_positive_int, default=None, help="read at most N documents")
     tr.add_argument("--pack", action=argparse.BooleanOptionalAction, default=True, help=_PACK_HELP)
+    tr.add_argument("--windows-per-doc", type=_positive_int, default=1, metavar="W",
+                    help="take each document's first W x --seq-len tokens as W sequences (the paper's "
+                         "first 8K tokens per book at --seq-len 2048: W = 4)")
     tr.add_argument("--tokenizer", default=None, help="tokenizer folder/id (unset: the model's)")
     tr.add_argument("--export-tokenswift", metavar="DIR", default=None,
                     help="also write the published TokenSwift layout (model.medusa_layers.{i}.*) to DIR")
+    tr.add_argument("--targets", choices=["tokens", "distill"], default="tokens",
+                    help="tokens: cross-entropy against the true token t+1+i (the paper); distill: "
+                         "self-distillation against the base model's own distribution of that token")
     tr.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint/")
     tr.add_argument("--overwrite", action="store_true",
                     help="start over even though OUT/checkpoint/ exists")
@@ -86,13 +97,23 @@ def add_parser(subparsers) -> None:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    ev.add_argument("--model", required=True, help="base model folder or hub id")
-    ev.add_argument("--heads", required=True, help="heads folder (project format or TokenSwift layout)")
+    ev.add_argument("--model", default="smollm2",
+                    help="base model: 'smollm2' (default), 'tiny', a folder or a hub id")
+    ev.add_argument("--heads", default=None,
+                    help="heads folder (project format or TokenSwift layout; default: the heads bundled "
+                         "for --model), or 'zero' for untrained heads (W_i = 0), which repeat the base "
+                         "model's prediction at every depth")
+    ev.add_argument("--num-heads", type=_positive_int, default=3, help="number of heads with --heads zero")
     ev.add_argument("--data", required=True, help=_DATA_HELP.replace("training", "held-out"))
     ev.add_argument("--seq-len", type=_positive_int, default=8192, help="tokens per evaluated sequence")
     ev.add_argument("--max-docs", type=_positive_int, default=None, help="read at most N documents")
     ev.add_argument("--pack", action=argparse.BooleanOptionalAction, default=True, help=_PACK_HELP)
+    ev.add_argument("--windows-per-doc", type=_positive_int, default=1, metavar="W",
+                    help="evaluate each document's first W x --seq-len tokens as W sequences")
     ev.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    ev.add_argument("--yarn", type=float, default=None, metavar="FACTOR",
+                    help="extend the model's window FACTOR times with YaRN rope scaling (the same "
+                         "overrides as generate/bench --yarn), e.g. to train or evaluate past 8K")
     ev.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="model and heads dtype (auto: bfloat16 on CUDA, float32 on CPU)")
     ev.add_argument("--topk", type=_positive_int, default=3, help="k of the top-k accuracy")
@@ -108,6 +129,28 @@ def _err(msg: str) -> int:
     return 2
 
 
+def _resolve(args: argparse.Namespace, want_heads: bool) -> dict | None:
+    """``--model`` names -> folders (``smollm2`` is converted on first use); ``--heads``
+    defaults to the model's bundled heads; ``--yarn`` -> config overrides.
+
+    Raises:
+        TrainHeadsError: the model cannot be fetched or YaRN does not apply.
+    """
+    from vllm_tokenswift.models import ModelFetchError, resolve_target, yarn_overrides
+    from vllm_tokenswift.training.data import TrainHeadsError
+
+    try:
+        model, heads = resolve_target(args.model, getattr(args, "heads", None) if want_heads else None)
+        args.model = model
+        if want_heads:
+            if heads is None:
+                raise TrainHeadsError(f"no heads bundled for {model}: pass --heads FOLDER (or 'zero')")
+            args.heads = heads
+        return yarn_overrides(model, args.yarn) if args.yarn else None
+    except (ModelFetchError, ValueError) as e:
+        raise TrainHeadsError(str(e)) from None
+
+
 def run_train(args: argparse.Namespace) -> int:
     """Handler of ``train-heads``; returns the exit code (0 ok, 2 bad input, 130 interrupted)."""
     from vllm_tokenswift.heads import HeadsLoadError
@@ -115,6 +158,7 @@ def run_train(args: argparse.Namespace) -> int:
     from vllm_tokenswift.training.trainer import train_heads
 
     try:
+        overrides = _resolve(args, want_heads=False)
         res = train_heads(
             args.model, args.data, args.out, seq_len=args.seq_len, steps=args.steps,
             batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
@@ -123,6 +167,7 @@ def run_train(args: argparse.Namespace) -> int:
             seed=args.seed, max_docs=args.max_docs, pack=args.pack, tokenizer_path=args.tokenizer,
             export_tokenswift=args.export_tokenswift, resume=args.resume, overwrite=args.overwrite,
             save_every=args.save_every, stop_after=args.stop_after, progress=not args.no_progress,
+            targets=args.targets, config_overrides=overrides, windows_per_doc=args.windows_per_doc,
         )
     except (TrainHeadsError, HeadsLoadError) as e:
         return _err(str(e))
@@ -158,13 +203,22 @@ def run_eval(args: argparse.Namespace) -> int:
 
     try:
         check_data_path(args.data)
+        overrides = _resolve(args, want_heads=True)
         dev = resolve_device(args.device)
         dt = resolve_dtype(args.dtype, dev)
-        config = inspect_base_model(args.model, args.seq_len)
-        model, tok = load_base_model(args.model, device=dev, dtype=dt, tokenizer_path=args.tokenizer)
-        heads = load_heads(args.heads, hidden_size=int(config.hidden_size),
-                           eps=float(getattr(config, "rms_norm_eps", 1e-6) or 1e-6), dtype=dt, device=dev)
-        seqs = load_token_sequences(args.data, tok, args.seq_len, pack=args.pack, max_docs=args.max_docs)
+        config = inspect_base_model(args.model, args.seq_len, overrides)
+        model, tok = load_base_model(args.model, device=dev, dtype=dt, tokenizer_path=args.tokenizer,
+                                     config_overrides=overrides)
+        eps = float(getattr(config, "rms_norm_eps", 1e-6) or 1e-6)
+        if args.heads == "zero":  # untrained heads: every head repeats the base prediction
+            from vllm_tokenswift.heads import DraftHeads
+
+            heads = DraftHeads(int(config.hidden_size), args.num_heads, eps=eps).init_from_base(
+                model.model.norm.weight).to(dev, dt)
+        else:
+            heads = load_heads(args.heads, hidden_size=int(config.hidden_size), eps=eps, dtype=dt, device=dev)
+        seqs = load_token_sequences(args.data, tok, args.seq_len, pack=args.pack, max_docs=args.max_docs,
+                                    windows_per_doc=args.windows_per_doc)
     except (TrainHeadsError, HeadsLoadError) as e:
         return _err(str(e))
     res = evaluate_heads(model, heads, seqs, chunk_size=args.chunk_size, topk=args.topk,

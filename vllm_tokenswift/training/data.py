@@ -139,7 +139,7 @@ def first_tokens(tokenizer, text: str, n: int) -> list[int]:
 
 
 def build_sequences(docs: Iterator[str] | list[str], tokenizer, seq_len: int, *,
-                    pack: bool = True) -> torch.Tensor:
+                    pack: bool = True, windows_per_doc: int = 1) -> torch.Tensor:
     """Tokenize documents into fixed-length training sequences (Sec 4.1 recipe).
 
     Args:
@@ -150,20 +150,32 @@ def build_sequences(docs: Iterator[str] | list[str], tokenizer, seq_len: int, *,
             each followed by EOS, and cut into L-token sequences (a trailing
             incomplete one is dropped). ``False``: shorter documents are
             skipped, as in the paper.
+        windows_per_doc: W, how many consecutive L-token windows to take from
+            the start of each document: its first ``W·L`` tokens as W sequences
+            (e.g. the paper's "first 8K tokens of every book" at L = 2048 is
+            W = 4). A document with fewer tokens gives its full windows; its
+            remainder (shorter than L) is packed or skipped as above.
     Returns:
         ``torch.long`` tensor ``[num_sequences, seq_len]`` on CPU: long
-        documents first-L-token sequences and packed sequences, in corpus
-        order (packed ones are emitted as soon as they fill up). May have 0 rows.
+        documents' first-L-token sequences (W per document) and packed
+        sequences, in corpus order (packed ones are emitted as soon as they
+        fill up). May have 0 rows.
+    Raises:
+        TrainHeadsError: ``seq_len`` or ``windows_per_doc`` below 1.
     """
     if seq_len <= 0:
         raise TrainHeadsError(f"seq_len must be positive, got {seq_len}")
+    if windows_per_doc < 1:
+        raise TrainHeadsError(f"windows_per_doc must be >= 1, got {windows_per_doc}")
     eos = getattr(tokenizer, "eos_token_id", None)
     rows: list[list[int]] = []
     buf: list[int] = []
     for text in docs:
-        ids = first_tokens(tokenizer, text, seq_len)
-        if len(ids) >= seq_len:
-            rows.append(ids)
+        ids = first_tokens(tokenizer, text, seq_len * windows_per_doc)
+        full = len(ids) // seq_len
+        rows.extend(ids[w * seq_len: (w + 1) * seq_len] for w in range(full))
+        ids = ids[full * seq_len:]
+        if full and not ids:
             continue
         if not pack:
             continue
@@ -179,7 +191,7 @@ def build_sequences(docs: Iterator[str] | list[str], tokenizer, seq_len: int, *,
 
 
 def load_token_sequences(data: str | os.PathLike, tokenizer, seq_len: int, *, pack: bool = True,
-                         max_docs: int | None = None) -> torch.Tensor:
+                         max_docs: int | None = None, windows_per_doc: int = 1) -> torch.Tensor:
     """:func:`iter_documents` + :func:`build_sequences`, with an error on empty results.
 
     Returns:
@@ -196,7 +208,7 @@ def load_token_sequences(data: str | os.PathLike, tokenizer, seq_len: int, *, pa
             n_docs += 1
             yield d
 
-    seqs = build_sequences(counted(), tokenizer, seq_len, pack=pack)
+    seqs = build_sequences(counted(), tokenizer, seq_len, pack=pack, windows_per_doc=windows_per_doc)
     if n_docs == 0:
         raise TrainHeadsError(f"data {str(data)!r} holds no non-empty documents")
     if seqs.shape[0] == 0:

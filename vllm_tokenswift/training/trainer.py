@@ -60,8 +60,8 @@ CHECKPOINT_VERSION = 1
 IGNORE_INDEX = -100
 
 #: run settings that must match when resuming (anything else may change).
-_RESUME_KEYS = ("seq_len", "steps", "batch_size", "grad_accum", "lr", "weight_decay", "warmup",
-                "seed", "num_heads", "max_grad_norm", "pack", "max_docs", "num_sequences",
+_RESUME_KEYS = ("seq_len", "steps", "batch_size", "grad_accum", "lr", "weight_decay", "warmup", "targets",
+                "seed", "num_heads", "max_grad_norm", "pack", "max_docs", "num_sequences", "windows_per_doc",
                 "hidden_size", "vocab_size")
 
 
@@ -120,12 +120,14 @@ def check_base_structure(model, where: str = "model") -> None:
         )
 
 
-def inspect_base_model(model_path: str | os.PathLike, seq_len: int | None = None):
+def inspect_base_model(model_path: str | os.PathLike, seq_len: int | None = None,
+                       config_overrides: dict | None = None):
     """Check a base model *before* loading its weights; return its HF config.
 
-    Loads ``config.json`` only, checks ``seq_len <= max_position_embeddings``,
-    and instantiates the architecture on the ``meta`` device (no memory) to
-    check :func:`check_base_structure`.
+    Loads ``config.json`` only (plus ``config_overrides``, e.g. YaRN's from
+    :func:`vllm_tokenswift.models.yarn_overrides`), checks ``seq_len <=
+    max_position_embeddings``, and instantiates the architecture on the ``meta``
+    device (no memory) to check :func:`check_base_structure`.
 
     Raises:
         TrainHeadsError: unreadable/missing config, unsupported architecture,
@@ -145,6 +147,8 @@ def inspect_base_model(model_path: str | os.PathLike, seq_len: int | None = None
         config = AutoConfig.from_pretrained(mp)
     except Exception as e:  # OSError, ValueError, ... from transformers
         raise TrainHeadsError(f"cannot load a model config from {mp!r}: {e}") from None
+    for k, v in (config_overrides or {}).items():
+        setattr(config, k, v)
     max_pos = getattr(config, "max_position_embeddings", None)
     if seq_len is not None and max_pos is not None and seq_len > int(max_pos):
         raise TrainHeadsError(
@@ -168,7 +172,7 @@ def _looks_like_hub_id(s: str) -> bool:
 
 def load_base_model(model_path: str | os.PathLike, *, device: torch.device | str = "cpu",
                     dtype: torch.dtype = torch.float32, tokenizer_path: str | None = None,
-                    load_tokenizer: bool = True):
+                    load_tokenizer: bool = True, config_overrides: dict | None = None):
     """Load a frozen Hugging Face causal LM (and its tokenizer) for head training/eval.
 
     Args:
@@ -176,16 +180,25 @@ def load_base_model(model_path: str | os.PathLike, *, device: torch.device | str
         device: where to put the model.
         dtype: parameter dtype (bf16 on GPU, fp32 on CPU by default upstream).
         tokenizer_path: tokenizer folder/id (default: ``model_path``).
+        config_overrides: set on the model's config before it is built (YaRN: the same
+            ``rope_parameters``/``max_position_embeddings`` vLLM gets as ``hf_overrides``,
+            so heads train on the hidden states the engine will produce).
     Returns:
         ``(model, tokenizer)``; the model is in eval mode with ``requires_grad``
         off for every parameter. ``tokenizer`` is ``None`` if not requested.
     Raises:
         TrainHeadsError: load failure or a model without the needed layers.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype)
+        kw = {}
+        if config_overrides:
+            cfg = AutoConfig.from_pretrained(str(model_path))
+            for k, v in config_overrides.items():
+                setattr(cfg, k, v)
+            kw["config"] = cfg
+        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype, **kw)
     except Exception as e:
         raise TrainHeadsError(f"cannot load the model from {str(model_path)!r}: {e}") from None
     check_base_structure(model, where=f"model {str(model_path)!r}")
@@ -273,7 +286,8 @@ def head_targets(input_ids: torch.Tensor, num_heads: int) -> list[torch.Tensor]:
 
 def heads_loss(heads: DraftHeads, lm_head: torch.nn.Module, h0: torch.Tensor, input_ids: torch.Tensor, *,
                chunk_size: int | None = 1024, normalizer: list[float] | None = None,
-               backward: bool = True, amp_dtype: torch.dtype = torch.float32) -> HeadsLossStats:
+               backward: bool = True, amp_dtype: torch.dtype = torch.float32,
+               distill_norm: torch.nn.Module | None = None) -> HeadsLossStats:
     """Chunked multi-head cross-entropy, back-propagated chunk by chunk (Sec 3.2).
 
     The objective is ``Σ_i CE_sum_i / normalizer[i]`` (``normalizer`` defaults
@@ -295,8 +309,16 @@ def heads_loss(heads: DraftHeads, lm_head: torch.nn.Module, h0: torch.Tensor, in
             accumulated update); default: this call's counts.
         backward: call ``backward`` per chunk (else only compute the numbers).
         amp_dtype: autocast dtype for the heads/LM head (fp32: no autocast).
+        distill_norm: self-distillation (the base model's final norm): head i at t is
+            trained towards the base model's own distribution of token ``t+1+i``,
+            ``softmax(lm_head(FinalNorm(h0[t+i])))`` (soft cross-entropy, which equals
+            the KL divergence up to a constant), instead of the one-hot true token. The
+            targets are the model's own predictions given the true prefix, so the heads
+            learn what the target would sample, which is what a sampled draft must
+            match (Medusa-2's self-distillation objective). ``None``: hard targets.
     Returns:
-        :class:`HeadsLossStats` (sums, top-1 hits, counts, objective value).
+        :class:`HeadsLossStats` (sums, top-1 hits against the true tokens, counts,
+        objective value; with ``distill_norm`` the loss sums are soft cross-entropies).
     """
     n = heads.num_heads
     B, L, H = h0.shape
@@ -314,13 +336,32 @@ def heads_loss(heads: DraftHeads, lm_head: torch.nn.Module, h0: torch.Tensor, in
         tg = [t[s:e] for t in targets]
         if all(bool((t == IGNORE_INDEX).all()) for t in tg):
             continue
+        soft = None
+        if distill_norm is not None:
+            with torch.no_grad(), _autocast(h0.device, amp_dtype):
+                # l_0 at rows s+1 .. e+n-1: the base model's prediction of t+1+i is l_0 at t+i
+                ext = min(rows, e + n)
+                soft = torch.softmax(lm_head(distill_norm(flat[s + 1: ext])).float(), dim=-1)
         ctx = torch.enable_grad() if backward else torch.no_grad()
         with ctx, _autocast(h0.device, amp_dtype):
             outs = heads(flat[s:e])
             chunk_obj = None
             for i in range(n):
                 logits = lm_head(outs[i]).float()
-                ce = F.cross_entropy(logits, tg[i], ignore_index=IGNORE_INDEX, reduction="sum")
+                if soft is None:
+                    ce = F.cross_entropy(logits, tg[i], ignore_index=IGNORE_INDEX, reduction="sum")
+                else:
+                    # head i+1 (0-based i) at row t predicts t+2+i: the base model's
+                    # distribution of it is l_0 at row t+1+i = soft[(t - s) + i]; rows with a
+                    # valid hard target (t+2+i < L, same sequence) have it
+                    valid = tg[i] != IGNORE_INDEX
+                    tgt = soft[i: i + (e - s)]
+                    if tgt.shape[0] < e - s:
+                        valid = valid.clone()
+                        valid[tgt.shape[0]:] = False
+                        tgt = torch.cat([tgt, tgt.new_zeros((e - s - tgt.shape[0], tgt.shape[1]))])
+                    logq = torch.log_softmax(logits, dim=-1)
+                    ce = -(tgt * logq).sum(-1)[valid].sum()
                 with torch.no_grad():
                     valid = tg[i] != IGNORE_INDEX
                     correct[i] += int(((logits.argmax(-1) == tg[i]) & valid).sum())
@@ -558,7 +599,9 @@ def train_heads(model_path: str | os.PathLike, data: str | os.PathLike | torch.T
                 pack: bool = True, tokenizer_path: str | None = None,
                 export_tokenswift: str | os.PathLike | None = None, resume: bool = False,
                 overwrite: bool = False, save_every: int = 50, stop_after: int | None = None,
-                progress: bool = True, log: Callable[[str], None] | None = None) -> TrainResult:
+                progress: bool = True, log: Callable[[str], None] | None = None,
+                targets: str = "tokens", config_overrides: dict | None = None,
+                windows_per_doc: int = 1) -> TrainResult:
     """Train the γ dependent draft heads of TokenSwift on a frozen base model (Sec 3.2, 4.1).
 
     Head i (1..γ) reads the base model's pre-final-norm hidden state at
@@ -593,9 +636,17 @@ def train_heads(model_path: str | os.PathLike, data: str | os.PathLike | torch.T
         max_docs: read at most this many documents.
         pack: pack documents shorter than L (EOS-separated) into L-token
             sequences (default) instead of skipping them (paper).
+        windows_per_doc: consecutive L-token windows taken from the start of each
+            document (:func:`~vllm_tokenswift.training.data.build_sequences`); the
+            paper's first 8K tokens per book at L = 2048 is 4.
         tokenizer_path: tokenizer to use (default: the model's).
         export_tokenswift: also write the published TokenSwift layout
             (``model.medusa_layers.{i}.*``) to this folder.
+        targets: ``"tokens"`` (the paper: cross-entropy against the true token) or
+            ``"distill"`` (self-distillation: against the base model's own distribution
+            of that token, see :func:`heads_loss`' ``distill_norm``).
+        config_overrides: set on the base model's config before it is built (e.g. YaRN,
+            :func:`vllm_tokenswift.models.yarn_overrides`, to train at the extended window).
         resume: continue from ``out_dir/checkpoint`` (settings must match the
             checkpoint's; a missing checkpoint starts a fresh run).
         overwrite: allow a fresh run in an ``out_dir`` that holds a checkpoint.
@@ -619,11 +670,13 @@ def train_heads(model_path: str | os.PathLike, data: str | os.PathLike | torch.T
                    weight_decay=weight_decay, warmup=warmup, chunk_size=chunk_size, num_heads=num_heads,
                    save_every=save_every, max_grad_norm=max_grad_norm, stop_after=stop_after,
                    max_docs=max_docs)
+    if targets not in ("tokens", "distill"):
+        raise TrainHeadsError(f"targets must be 'tokens' or 'distill', got {targets!r}")
     if not isinstance(data, torch.Tensor):
         check_data_path(data)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    config = inspect_base_model(model_path, seq_len)
+    config = inspect_base_model(model_path, seq_len, config_overrides)
 
     out = Path(out_dir)
     ckpt_dir = out / CHECKPOINT_DIR
@@ -645,7 +698,8 @@ def train_heads(model_path: str | os.PathLike, data: str | os.PathLike | torch.T
             say(f"note: no checkpoint in {ckpt_dir}, starting a fresh run")
 
     model, tok = load_base_model(model_path, device=dev, dtype=dt, tokenizer_path=tokenizer_path,
-                                 load_tokenizer=not isinstance(data, torch.Tensor))
+                                 load_tokenizer=not isinstance(data, torch.Tensor),
+                                 config_overrides=config_overrides)
     hidden = int(config.hidden_size)
     vocab = int(model.lm_head.weight.shape[0])
     if isinstance(data, torch.Tensor):
@@ -655,7 +709,8 @@ def train_heads(model_path: str | os.PathLike, data: str | os.PathLike | torch.T
         if int(seqs.max()) >= vocab or int(seqs.min()) < 0:
             raise TrainHeadsError(f"token ids outside the model's vocabulary [0, {vocab})")
     else:
-        seqs = load_token_sequences(data, tok, seq_len, pack=pack, max_docs=max_docs)
+        seqs = load_token_sequences(data, tok, seq_len, pack=pack, max_docs=max_docs,
+                                    windows_per_doc=windows_per_doc)
     num_seq = int(seqs.shape[0])
 
     run_config = {
@@ -663,8 +718,8 @@ def train_heads(model_path: str | os.PathLike, data: str | os.PathLike | torch.T
         "seq_len": seq_len, "steps": steps, "batch_size": batch_size, "grad_accum": grad_accum, "lr": lr,
         "weight_decay": weight_decay, "warmup": warmup, "seed": seed, "num_heads": num_heads,
         "max_grad_norm": max_grad_norm, "pack": pack, "max_docs": max_docs, "num_sequences": num_seq,
-        "hidden_size": hidden, "vocab_size": vocab, "chunk_size": chunk_size, "device": str(dev),
-        "dtype": str(dt).replace("torch.", ""),
+        "windows_per_doc": windows_per_doc, "hidden_size": hidden, "vocab_size": vocab, "chunk_size": chunk_size, "device": str(dev),
+        "dtype": str(dt).replace("torch.", ""), "targets": targets,
     }
     if ckpt is not None:
         _check_resume(ckpt, run_config)
@@ -674,6 +729,7 @@ def train_heads(model_path: str | os.PathLike, data: str | os.PathLike | torch.T
     random.seed(seed)
     eps = float(getattr(config, "rms_norm_eps", 1e-6) or 1e-6)
     heads = DraftHeads(hidden, num_heads, eps=eps).to(dev, torch.float32)
+    heads.init_from_base(model.model.norm.weight)  # zero heads = the base prediction
     heads.train()
     decay = [hd.linear.weight for hd in heads.heads]
     no_decay = [p for hd in heads.heads for p in (hd.input_layernorm, hd.post_layernorm)]
@@ -727,6 +783,7 @@ def train_heads(model_path: str | os.PathLike, data: str | os.PathLike | torch.T
                     ids = seqs[idx].to(dev)
                     h0 = base_hidden_states(model, ids)
                     st = heads_loss(heads, lm_head, h0, ids, chunk_size=chunk_size, normalizer=normalizer,
+                                    distill_norm=model.model.norm if targets == "distill" else None,
                                     backward=True, amp_dtype=dt)
                     for i in range(num_heads):
                         tot.loss_sum[i] += st.loss_sum[i]
@@ -773,7 +830,8 @@ def train_heads(model_path: str | os.PathLike, data: str | os.PathLike | torch.T
             "trained_with": "vllm-tokenswift train-heads",
             "steps": steps, "seq_len": seq_len, "batch_size": batch_size, "grad_accum": grad_accum,
             "lr": lr, "weight_decay": weight_decay, "warmup": warmup, "seed": seed,
-            "num_sequences": num_seq, "pack": pack,
+            "num_sequences": num_seq, "pack": pack, "windows_per_doc": windows_per_doc,
+            "targets": targets, "data": run_config["data"],
             "final_loss": last["loss"] if last else None,
             "final_head_loss": last["head_loss"] if last else None,
             "final_head_acc": last["head_acc"] if last else None,

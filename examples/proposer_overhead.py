@@ -1,0 +1,96 @@
+"""The proposer's own milliseconds per engine step (chain selection, n-grams, views,
+penalties, draft-probability buffers), excluding the target's draft forward, at several
+batch sizes. Runs vLLM in-process so the proposer object can be timed directly.
+
+    python examples/proposer_overhead.py --batch-sizes 1,8,32 --json out.json \\
+        [--tokenswift '{"policy": "paper"}']
+
+Run it from another checkout (``PYTHONPATH=/path/to/old/checkout``) to compare versions;
+``--tokenswift`` passes settings through (an older version needs its own keys, e.g.
+``{"skip_draft_conf": 1.01}`` for "always draft").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="target (default: the bundled 12.6M demo model)")
+    ap.add_argument("--heads", default=None)
+    ap.add_argument("--batch-sizes", default="1,8,32")
+    ap.add_argument("--prefix-len", type=int, default=2048)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--sampling", default="greedy,paper")
+    ap.add_argument("--tokenswift", default="{}")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import vllm_tokenswift
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    assets = os.path.join(os.path.dirname(vllm_tokenswift.__file__), "assets")
+    model = args.model or os.path.join(assets, "demo-model")
+    heads = args.heads or os.path.join(assets, "demo-heads")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    text = open(os.path.join(assets, "prompts", "1342.txt")).read()
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    bss = [int(x) for x in args.batch_sizes.split(",")]
+    ts = {"kv_budget": 1024, **json.loads(args.tokenswift)}
+    llm = LLM(model=model, dtype="float32", max_model_len=args.prefix_len + args.new_tokens + 64,
+              enforce_eager=True, kv_cache_memory_bytes=4 * 2**30, enable_prefix_caching=False,
+              speculative_config={"method": "tokenswift", "model": heads, "num_speculative_tokens": 4,
+                                  "tokenswift": ts})
+    core = llm.llm_engine.engine_core.engine_core
+    runner = core.model_executor.driver_worker.worker.model_runner
+    prop = runner.drafter
+    calls = {"n": 0, "t": 0.0}
+    orig = prop.propose_with_runner
+
+    def timed(*a, **k):
+        t = time.perf_counter()
+        try:
+            return orig(*a, **k)
+        finally:
+            calls["t"] += time.perf_counter() - t
+            calls["n"] += 1
+
+    prop.propose_with_runner = timed
+    results = []
+    for samp in args.sampling.split(","):
+        if samp == "greedy":
+            sp = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+        else:
+            sp = SamplingParams(temperature=1.0, min_p=0.1, repetition_penalty=1.2, max_tokens=args.new_tokens,
+                                ignore_eos=True, extra_args={"repetition_penalty_window": 1024})
+        for bs in bss:
+            prompts = [TokensPrompt(prompt_token_ids=ids[i * 97: i * 97 + args.prefix_len]) for i in range(bs)]
+            llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+            prop.stats.__init__()
+            calls.update(n=0, t=0.0)
+            t0 = time.perf_counter()
+            llm.generate(prompts, sp, use_tqdm=False)
+            wall = time.perf_counter() - t0
+            st = prop.stats
+            fused = getattr(st, "time_fused_s", 0.0)
+            own = calls["t"] - st.time_draft_forward_s - fused
+            row = {"sampling": samp, "batch": bs, "steps": calls["n"], "wall_s": wall,
+                   "proposer_ms_per_step": 1000 * calls["t"] / max(calls["n"], 1),
+                   "draft_forward_ms_per_step": 1000 * st.time_draft_forward_s / max(calls["n"], 1),
+                   "own_ms_per_step": 1000 * own / max(calls["n"], 1)}
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"tokenswift": ts, "results": results}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

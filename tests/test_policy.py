@@ -1,0 +1,137 @@
+"""Unit tests of the cost-aware drafting policy (``vllm_tokenswift.policy``), engine-free."""
+
+import numpy as np
+import pytest
+
+from vllm_tokenswift import policy as pol
+
+
+def costs(a=0.1, b=0.01, f0=0.08, f1=0.0, h0=0.015, h1=0.0):
+    return {"a": a, "b": b, "f0": f0, "f1": f1, "h0": h0, "h1": h1}
+
+
+def row(**cums):
+    return pol.RowOptions({k: np.asarray(v, dtype=float) for k, v in cums.items()})
+
+
+def test_worked_example_tokens_per_second():
+    """One request, ngram chain with cum [0.9, 0.72, 0.5]: step = 0.1 + 3·0.01 = 0.13 s,
+    tokens = 1 + 2.12 = 3.12 -> 24.0 tok/s; plain decoding: 10 tok/s."""
+    c = costs()
+    assert pol.expected_tokens_per_second([np.array([0.9, 0.72, 0.5])], c) == pytest.approx(3.12 / 0.13)
+    assert pol.expected_tokens_per_second([np.zeros(0)], c) == pytest.approx(10.0)
+    # a forward adds its fixed cost
+    assert pol.expected_tokens_per_second([np.array([0.9])], c, forward_rows=1) == \
+        pytest.approx(1.9 / (0.1 + 0.01 + 0.08))
+    d = pol.decide([row(ngram=[0.9, 0.72, 0.5], none=[])], c)
+    assert d.kinds == ["ngram"] and d.lengths == [3]
+    assert d.throughput == pytest.approx(3.12 / 0.13)
+    assert d.step_seconds == pytest.approx(0.13) and d.expected_tokens == pytest.approx(3.12)
+    assert d.threshold == pytest.approx(0.01 * 3.12 / 0.13)
+
+
+def test_free_verification_and_high_acceptance_drafts_long():
+    c = costs(b=1e-6, f0=1e-6, h0=1e-6)
+    cum = np.cumprod(np.full(16, 0.95))
+    d = pol.decide([row(ngram=cum, none=[])], c)
+    assert d.kinds == ["ngram"] and d.lengths == [16]
+
+
+def test_forward_costing_a_full_step_with_useless_heads_never_runs():
+    c = costs(a=0.1, b=0.01, f0=0.1)
+    rows = [row(forward=[0.0, 0.0, 0.0, 0.0], ngram=[0.3], none=[]) for _ in range(4)]
+    d = pol.decide(rows, c)
+    assert "forward" not in d.kinds
+    # and with nothing worth drafting at all, a plain step
+    d = pol.decide([row(forward=[0.0] * 4, none=[])], c)
+    assert d.kinds == ["none"] and d.lengths == [0]
+    assert d.throughput == pytest.approx(1 / 0.1)
+
+
+def test_forward_runs_when_it_pays_and_is_shared_by_the_batch():
+    c = costs(a=0.1, b=0.01, f0=0.08, f1=0.001)
+    good = np.cumprod([0.9, 0.8, 0.7, 0.6])
+    # one request: E = 0.9 + 0.72 + 0.504 + 0.3024 = 2.43 accepted, worth 0.08 + 4·0.01
+    d = pol.decide([row(forward=good, none=[])], c)
+    assert d.kinds == ["forward"] and d.lengths == [4]
+    assert d.throughput == pytest.approx((1 + good.sum()) / (0.1 + 0.04 + 0.081))
+    # weak heads: the fixed cost does not pay for one request ...
+    weak = np.cumprod([0.3, 0.2])
+    assert pol.decide([row(forward=weak, none=[])], c).kinds == ["none"]
+    # ... and fused heads, much cheaper, do
+    d = pol.decide([row(forward=weak, fused=weak, none=[])], costs(a=0.1, b=0.005, f0=0.08, h0=0.002))
+    assert d.kinds == ["fused"]
+
+
+def test_chain_length_follows_the_marginal_rule():
+    c = costs(a=0.1, b=0.02)
+    cum = np.array([0.9, 0.5, 0.25, 0.1, 0.04])
+    d = pol.decide([row(ngram=cum, none=[])], c)
+    theta = d.throughput
+    # every kept draft has cum > b·θ, every dropped one does not
+    k = d.lengths[0]
+    assert all(cum[:k] > c["b"] * theta) and all(cum[k:] <= c["b"] * theta)
+    # and no other prefix length is better
+    best = max(range(6), key=lambda n: (1 + cum[:n].sum()) / (0.1 + 0.02 * n))
+    assert k == best
+
+
+def test_forced_options_are_honoured():
+    c = costs(a=0.1, b=0.01, f0=0.1)
+    r = pol.RowOptions({"forward": np.array([0.0, 0.0]), "none": np.zeros(0)}, forced="forward")
+    d = pol.decide([r, row(ngram=[0.9], none=[])], c)
+    assert d.kinds == ["forward", "ngram"] and d.lengths[0] >= 1
+
+
+def test_cost_model_fits_and_priors():
+    cm = pol.CostModel(window=32)
+    assert not cm.ready
+    for d in [0, 4, 8, 0, 4, 8, 2, 6] * 4:
+        cm.observe_step(0.1 + 0.01 * d, rows=1, draft_tokens=d)
+    c = cm.costs()
+    assert c["a"] == pytest.approx(0.1, rel=0.05) and c["b"] == pytest.approx(0.01, rel=0.1)
+    # no forward observed: prior fraction of a
+    assert c["f0"] == pytest.approx(cm.prior_forward * c["a"], rel=0.05)
+    for _ in range(32):
+        cm.observe_forward(0.05, rows=2)
+    assert cm.costs()["f0"] + 2 * cm.costs()["f1"] == pytest.approx(0.05, rel=0.05)
+    # TP: load another rank's numbers verbatim
+    other = pol.CostModel()
+    other.load_state(cm.state())
+    assert other.costs() == pytest.approx(cm.costs())
+
+
+def test_acceptance_counts_and_shrinkage():
+    am = pol.AcceptanceModel(depth=4, prior_weight=4.0)
+    req = am.new_request()
+    for _ in range(50):
+        am.record(req, "fused", num_verified=3, num_accepted=1)  # pos 0 always, pos 1 never
+    p = am.probs(req, "fused")
+    assert p[0] > 0.95 and p[1] < 0.1
+    cum = am.cumulative(req, "fused", 3)
+    assert cum[0] == pytest.approx(p[0]) and cum[1] == pytest.approx(p[0] * p[1])
+    # an untouched option stays at its prior
+    assert am.probs(am.new_request(), "forward")[0] == pytest.approx(am.initial["forward"])
+
+
+def test_depth_counts_reached_and_accepted():
+    dc = pol.DepthCounts(depth=4, decay=1.0)
+    dc.update(4, 2)   # positions 0, 1 accepted, 2 rejected, 3 not reached
+    dc.update(2, 2)   # both accepted
+    assert dc.reached.tolist() == [2, 2, 1, 0]
+    assert dc.accepted.tolist() == [2, 2, 0, 0]
+
+
+def test_calibration_learns():
+    cal = pol.Calibration(num_bins=10, prior_weight=2.0, decay=1.0)
+    assert cal.prob(1, 0, 0.95) == pytest.approx(0.95)  # prior: the bin centre
+    for _ in range(100):
+        cal.update([1, 1], [0.95, 0.95], num_verified=2, num_accepted=0)
+    assert cal.prob(1, 0, 0.95) < 0.05
+    assert cal.prob(1, 1, 0.95) == pytest.approx(0.95)  # never reached
+
+
+def test_cut_length():
+    assert pol.cut_length([0.9, 0.5, 0.2], 0.3) == 2
+    assert pol.cut_length([0.1], 0.3) == 0
+    assert pol.cut_length([], 0.0) == 0

@@ -1,0 +1,126 @@
+"""The /metrics exporter's parts without a server: exposition of the cached samples as
+`vllm_tokenswift:*` counters, the multi-API-server (multiprocess) mode, the exporter's
+refresh through a stand-in engine client. The end-to-end check through a running
+server is in test_openai_server.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from vllm.v1.engine.exceptions import EngineDeadError  # noqa: F401 (slow first import, done here)
+
+from vllm_tokenswift.metrics import TokenSwiftStats
+from vllm_tokenswift.prometheus import (PREFIX, TokenSwiftCollector, TokenSwiftMetricsExporter,
+                                        interval_from_env, samples_from_rpc)
+
+
+def _stats() -> TokenSwiftStats:
+    st = TokenSwiftStats()
+    st.accepted_heads, st.accepted_ngram, st.accepted_fused = 5, 7, 2
+    st.steps_by_kind = {"forward": 3, "fused": 1, "ngram": 4, "none": 2}
+    st.view_selections, st.draft_steps, st.time_draft_s = 6, 3, 0.25
+    return st
+
+
+def test_collector_exposes_counters_with_vllm_labels():
+    col = TokenSwiftCollector()
+    reg = CollectorRegistry()
+    reg.register(col)
+    assert generate_latest(reg) == b""  # nothing before the first refresh
+    col.update("demo", "0", _stats().prometheus_samples())
+    text = generate_latest(reg).decode()
+    assert "# TYPE vllm_tokenswift:accepted_tokens_total counter" in text
+    assert 'vllm_tokenswift:accepted_tokens_total{engine="0",model_name="demo",source="ngram"} 7.0' in text
+    assert 'vllm_tokenswift:accepted_tokens_total{engine="0",model_name="demo",source="heads"} 5.0' in text
+    assert 'vllm_tokenswift:draft_steps_total{engine="0",kind="none",model_name="demo"} 2.0' in text
+    assert 'vllm_tokenswift:view_selections_total{engine="0",model_name="demo"} 6.0' in text
+    assert 'vllm_tokenswift:draft_seconds_total{engine="0",model_name="demo"} 0.25' in text
+    # every sample metrics.py defines is exported, nothing else
+    names = {line.split("{")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    assert names == {PREFIX + s[0] for s in _stats().prometheus_samples()}
+
+
+def test_samples_from_rpc_takes_the_first_tokenswift_worker():
+    s = _stats().prometheus_samples()
+    assert samples_from_rpc([None, {"prometheus_samples": s}, {"prometheus_samples": []}]) == s
+    assert samples_from_rpc([None]) is None and samples_from_rpc(None) is None
+
+
+def test_interval_from_env(monkeypatch):
+    monkeypatch.delenv("VLLM_TOKENSWIFT_METRICS_INTERVAL_S", raising=False)
+    assert interval_from_env() == 2.0
+    monkeypatch.setenv("VLLM_TOKENSWIFT_METRICS_INTERVAL_S", "0.5")
+    assert interval_from_env() == 0.5
+    for bad in ("0", "-1", "soon"):
+        monkeypatch.setenv("VLLM_TOKENSWIFT_METRICS_INTERVAL_S", bad)
+        with pytest.raises(ValueError, match="VLLM_TOKENSWIFT_METRICS_INTERVAL_S"):
+            interval_from_env()
+
+
+class _Client:
+    """Stand-in for vLLM's AsyncLLM: collective_rpc like a TP=2 engine."""
+
+    def __init__(self, stats, dead_after=None):
+        self.vllm_config = SimpleNamespace(model_config=SimpleNamespace(served_model_name=["m"]))
+        self.engine_core = SimpleNamespace(engine_ranks_managed=[0])
+        self.stats, self.calls, self.dead_after = stats, [], dead_after
+
+    async def collective_rpc(self, method):
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        self.calls.append(method)
+        if self.dead_after is not None and len(self.calls) > self.dead_after:
+            raise EngineDeadError()
+        d = {"prometheus_samples": self.stats.prometheus_samples()}
+        return [d, dict(d)]
+
+
+def test_exporter_refreshes_until_the_engine_dies():
+    st = _stats()
+    col = TokenSwiftCollector()
+    client = _Client(st, dead_after=3)
+    exp = TokenSwiftMetricsExporter(client, interval_s=0.01, sink=col)
+    assert (exp.model_name, exp.engine) == ("m", "0")
+
+    async def go():
+        exp.start()
+        await asyncio.wait_for(exp.task, 120)  # returns once the engine is dead
+
+    asyncio.run(go())
+    assert client.calls == ["tokenswift_stats"] * 4 and exp.refreshes == 3
+    reg = CollectorRegistry()
+    reg.register(col)
+    assert 'vllm_tokenswift:accepted_tokens_total{engine="0",model_name="m",source="fused"} 2.0' in \
+        generate_latest(reg).decode()
+
+
+def test_multiprocess_mode_writes_max_gauges(tmp_path):
+    # vLLM's --api-server-count > 1 switches prometheus_client to multiprocess mode: every
+    # API server writes the engine's values, merged with max (the freshest)
+    code = textwrap.dedent("""
+        from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+        from vllm_tokenswift.metrics import TokenSwiftStats
+        from vllm_tokenswift.prometheus import _MultiprocessSink
+        old, new = TokenSwiftStats(), TokenSwiftStats()
+        old.accepted_ngram, new.accepted_ngram = 3, 9
+        sink = _MultiprocessSink()
+        sink.update("m", "0", new.prometheus_samples())
+        sink.update("m", "1", old.prometheus_samples())
+        reg = CollectorRegistry()
+        multiprocess.MultiProcessCollector(reg)
+        print(generate_latest(reg).decode())
+    """)
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "# TYPE vllm_tokenswift:accepted_tokens_total gauge" in out.stdout
+    assert 'vllm_tokenswift:accepted_tokens_total{engine="0",model_name="m",source="ngram"} 9.0' in out.stdout
+    assert 'vllm_tokenswift:accepted_tokens_total{engine="1",model_name="m",source="ngram"} 3.0' in out.stdout

@@ -1,0 +1,96 @@
+"""Engine-free unit tests of proposer pieces: per-request seeded draft draws, the
+incremental penalty history, the draft-probability buffer."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from vllm_tokenswift.config import TokenSwiftConfig
+from vllm_tokenswift.proposer import TokenSwiftProposer, _Row
+
+
+def _proposer(engine_seed=0, **cfg):
+    prop = TokenSwiftProposer.__new__(TokenSwiftProposer)
+    prop.cfg = TokenSwiftConfig.parse({"use_heads": False, "ngram_topk": 0, **cfg})
+    prop.engine_seed = engine_seed
+    from vllm_tokenswift.policy import AcceptanceModel
+
+    prop.acceptance = AcceptanceModel(4)
+    prop.num_spec_tokens = 4
+    prop._dp_buf = None
+    return prop
+
+
+def _runner(**reqs):
+    return SimpleNamespace(requests={rid: SimpleNamespace(sampling_params=SimpleNamespace(
+        temperature=1.0, min_p=0.0, repetition_penalty=1.0, extra_args=None, seed=seed))
+        for rid, seed in reqs.items()})
+
+
+def test_seeded_draws_reproduce_per_request_and_across_ranks():
+    probs = torch.softmax(torch.randn(3, 50, generator=torch.Generator().manual_seed(0)), -1)
+    a = _proposer()
+    b = _proposer()  # another tensor-parallel rank, or another run
+    sa = a._new_state(_runner(r1=1234), "r1")
+    # the same request seed gives the same draws, whatever else the other rank drew before
+    b_other = b._new_state(_runner(x=None), "x")
+    b._draw(b_other, probs)
+    sb = b._new_state(_runner(r1=1234), "r1")
+    assert a._draw(sa, probs) == b._draw(sb, probs)
+    assert a._draw(sa, probs) == b._draw(sb, probs)  # and the streams stay in step
+    # another seed: another stream
+    sc = a._new_state(_runner(r1=99), "r1")
+    draws = [a._draw(sc, probs) for _ in range(5)]
+    sd = b._new_state(_runner(r1=1234), "r1")
+    assert draws != [b._draw(sd, probs) for _ in range(5)]
+
+
+def test_unseeded_requests_use_engine_seed_and_request_id():
+    a, b = _proposer(engine_seed=7), _proposer(engine_seed=7)
+    s1, s2 = a._new_state(_runner(q=None), "q"), b._new_state(_runner(q=None), "q")
+    assert s1.seed == s2.seed  # identical on every rank (no Python hash salt)
+    assert a._new_state(_runner(z=None), "z").seed != s1.seed
+    assert _proposer(engine_seed=8)._new_state(_runner(q=None), "q").seed != s1.seed
+
+
+def test_incremental_penalty_history_matches_recount():
+    prop = _proposer()
+    V = 40
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, V, size=(1, 300)).astype(np.int32)
+    prop._row_tokens = toks
+    st = prop._new_state(_runner(r=None), "r")
+    st.window = 16
+    for pos in [20, 21, 25, 60, 61, 200, 299]:
+        row = _Row(0, "r", st, pos, 4, [])
+        got = prop._penalty_mask(row, V, "cpu")
+        want = torch.zeros(V, dtype=torch.bool)
+        want[torch.as_tensor(toks[0, max(0, pos + 1 - 16): pos + 1].astype(np.int64))] = True
+        assert torch.equal(got, want), pos
+    st2 = prop._new_state(_runner(r=None), "r")  # global penalty (no window): all tokens so far
+    for pos in [10, 50, 51, 299]:
+        got = prop._penalty_mask(_Row(0, "r", st2, pos, 4, []), V, "cpu")
+        want = torch.zeros(V, dtype=torch.bool)
+        want[torch.as_tensor(toks[0, : pos + 1].astype(np.int64))] = True
+        assert torch.equal(got, want), pos
+
+
+def test_draft_probs_buffer_rows_and_positions():
+    prop = _proposer()
+    V = 6
+    q = torch.tensor([[0.5, 0.5, 0, 0, 0, 0], [0, 0, 1.0, 0, 0, 0]])
+    runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=["a", "b", "c"]))
+    rows = [_Row(0, "a", None, 0, 4, []), _Row(2, "c", None, 0, 4, [])]
+    out = [[1, 2, 5], [], [3]]
+    prop._set_draft_probs(runner, rows, out, {0: (q, [0, 1])}, "cpu", V)
+    dp = runner._draft_probs
+    assert dp.shape == (3, 4, V) and runner._draft_prob_req_ids == ["a", "b", "c"]
+    torch.testing.assert_close(dp[0, :2], q)                              # sampled positions: q
+    assert dp[0, 2].tolist() == [0, 0, 0, 0, 0, 1.0]                     # n-gram position: one-hot
+    assert dp[2, 0].tolist() == [0, 0, 0, 1.0, 0, 0]                     # greedy row: one-hot
+    # next step: stale values of other positions are never read by vLLM, rows rewritten
+    prop._set_draft_probs(runner, rows, [[4], [], [0]], {}, "cpu", V)
+    assert runner._draft_probs[0, 0].tolist() == [0, 0, 0, 0, 1.0, 0]

@@ -1,0 +1,481 @@
+"""Cost-aware drafting policy: what to propose, per request and per engine step.
+
+The paper drafts with a forward of the target over the budgeted view every step.
+That forward reads all the weights again; on hardware where a decode step is
+bound by reading the weights it costs close to a plain step, and it only pays
+when the chain it buys is accepted often enough. This module decides, every
+step and for every request, which option maximises expected **generated tokens
+per second** of the whole batch, from costs and acceptance measured while the
+engine runs (an extension beyond the paper, which always drafts):
+
+* ``forward``: the TokenSwift draft forward over the budgeted view (``l_0..l_3``
+  plus n-grams; paper Sec 3.2-3.3);
+* ``fused``: no extra forward; the dependent heads are applied to the pre-norm
+  hidden state the *verification* forward already computed at the position
+  before the newest token (Medusa-style: head i predicts ``t+1+i`` from ``h_t``,
+  so head 1 drafts the token after the newest one), plus n-grams;
+* ``ngram``: the request's n-gram chain alone (no forward, no heads);
+* ``none``: no draft (a plain step for that request).
+
+and how long each chain is.
+
+**Cost model** (:class:`CostModel`). One engine step costs::
+
+    T = a + b·D + [any forward]·(f0 + f1·n_fwd) + [any fused]·(h0 + h1·n_fused)
+
+``a``: a step that verifies no draft tokens (the plain decode step of this batch,
+plus the proposer's own fixed work); ``b``: each verified draft token; ``D``:
+draft tokens in the batch; ``f0 + f1·n`` and ``h0 + h1·n``: the draft forward and
+the fused heads for ``n`` rows. Each pair is a ridge-regularised least-squares fit
+over the last :attr:`CostModel.window` observations (wall-clock, from the
+proposer's timers), pulled towards priors expressed as fractions of ``a`` so that
+a fresh engine starts with sensible numbers. ``a`` and ``b`` follow context growth
+and batch-size changes because old observations leave the window.
+
+**Acceptance** (:class:`AcceptanceModel`). Per option and per draft position j,
+the probability that draft j is accepted given that drafts ``0..j-1`` were
+(``reached``/``accepted`` counts with exponential decay), per request, shrunk
+towards the engine-wide figure (a Beta-style prior of :attr:`prior_weight`
+pseudo-observations). Before the chain exists (deciding whether to run a
+forward) these per-position means predict the chain; once the chain exists, a
+per-token calibration (:class:`Calibration`: acceptance by source, position and
+the chain selector's own confidence bin) estimates each token.
+
+**Decision** (:func:`decide`). With ``cum_{r,j}`` the estimated probability that
+the first ``j+1`` drafts of request r are accepted, a step generates
+``R + Σ_{r,j} cum_{r,j}`` tokens in expectation. Maximising tokens per second
+``(R + Σ cum) / T`` over which drafts to include is a ratio problem whose optimum
+includes exactly the drafts with ``cum > b·θ*``, ``θ*`` the optimal throughput
+(Dinkelbach iteration; a few rounds converge). The fixed costs of the draft
+forward and the fused heads are decided by enumerating the four on/off
+combinations; each request then takes the option with the largest surplus
+``Σ_j max(0, cum_j − b·θ)``. The chain builder later cuts each chain where its
+per-token estimate drops to ``b·θ`` (:attr:`Decision.threshold`).
+
+Determinism: decisions depend on the token history (acceptance counts), the
+draft probabilities and the cost model's numbers. Under tensor parallelism the
+timings differ per rank, so the proposer broadcasts rank 0's cost model
+(:meth:`CostModel.state` / :meth:`CostModel.load_state`) every few steps and all
+ranks decide from the same numbers.
+
+Engine-free: numpy only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+FORWARD = "forward"
+FUSED = "fused"
+NGRAM = "ngram"
+NONE = "none"
+KINDS = (FORWARD, FUSED, NGRAM, NONE)
+#: options that propose drafts (``NONE`` proposes nothing)
+DRAFT_KINDS = (FORWARD, FUSED, NGRAM)
+
+
+# ============================================================== cost model
+@dataclass
+class _LinearFit:
+    """``y ≈ c0 + c1·x`` (``c0, c1 >= 0``) by ridge least squares over the last
+    ``window`` observations, pulled towards a prior ``(p0, p1)`` by the penalty
+    ``strength·(c0 - p0)² + strength·x_scale²·(c1 - p1)²``."""
+
+    window: int = 64
+    strength: float = 2.0
+    xs: deque = field(default_factory=deque)
+    ys: deque = field(default_factory=deque)
+
+    def add(self, x: float, y: float) -> None:
+        self.xs.append(float(x))
+        self.ys.append(float(y))
+        while len(self.xs) > self.window:
+            self.xs.popleft()
+            self.ys.popleft()
+
+    def solve(self, p0: float, p1: float, x_scale: float = 1.0) -> tuple[float, float]:
+        """Ridge solution; ``x_scale`` is a typical x (so the prior on c1 weighs like c0's)."""
+        n = len(self.xs)
+        lam0 = self.strength
+        lam1 = self.strength * x_scale * x_scale
+        if n == 0:
+            return p0, p1
+        x = np.fromiter(self.xs, dtype=np.float64, count=n)
+        y = np.fromiter(self.ys, dtype=np.float64, count=n)
+        A = np.array([[n + lam0, x.sum()], [x.sum(), (x * x).sum() + lam1]])
+        rhs = np.array([y.sum() + lam0 * p0, (x * y).sum() + lam1 * p1])
+        c0, c1 = np.linalg.solve(A, rhs)
+        if c1 < 0:   # costs never fall with more work: refit the intercept alone
+            c1 = 0.0
+            c0 = (y.sum() + lam0 * p0) / (n + lam0)
+        if c0 < 0:
+            c0 = 0.0
+            c1 = max(0.0, ((x * y).sum() + lam1 * p1) / ((x * x).sum() + lam1))
+        return float(c0), float(c1)
+
+    def mean_y(self) -> float | None:
+        return float(np.mean(self.ys)) if self.ys else None
+
+
+@dataclass
+class CostModel:
+    """Online step-cost model (see module doc). All times in seconds.
+
+    Priors, as fractions of the draft-free step time ``a`` and of its per-request share
+    ``a/R`` (``R``: requests in the step, averaged over the observations): a verified
+    draft token costs ``prior_b``·a/R, the draft forward ``prior_forward``·a (it reads
+    all the weights, like a decode step, but attends to the budgeted view only) plus
+    ``prior_forward_row``·a/R per row, the fused heads ``prior_fused``·a (three ``H×H``
+    products and one LM-head product for three rows) plus ``prior_fused_row``·a/R.
+
+    Args:
+        window: observations kept per fit.
+        strength: weight of the priors (pseudo-observations).
+    """
+
+    window: int = 64
+    strength: float = 2.0
+    prior_b: float = 0.08
+    prior_forward: float = 0.8
+    prior_forward_row: float = 0.3
+    prior_fused: float = 0.15
+    prior_fused_row: float = 0.05
+    _step: _LinearFit = field(init=False)
+    _fwd: _LinearFit = field(init=False)
+    _fus: _LinearFit = field(init=False)
+    _a0: float | None = field(default=None, init=False)
+    _rows: deque = field(default_factory=deque, init=False)
+    _frozen: dict | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self._step = _LinearFit(self.window, self.strength)
+        self._fwd = _LinearFit(self.window, self.strength)
+        self._fus = _LinearFit(self.window, self.strength)
+
+    # ---------------------------------------------------------------- observations
+    def observe_step(self, seconds: float, rows: int, draft_tokens: int) -> None:
+        """One engine step outside the proposer's forward/fused work: ``seconds`` for
+        ``rows`` requests verifying ``draft_tokens`` draft tokens in total."""
+        if seconds <= 0 or rows <= 0:
+            return
+        if self._a0 is None:
+            self._a0 = seconds
+        self._step.add(draft_tokens, seconds)
+        self._rows.append(rows)
+        while len(self._rows) > self.window:
+            self._rows.popleft()
+
+    def observe_forward(self, seconds: float, rows: int) -> None:
+        """One draft forward over ``rows`` requests (view planning included)."""
+        if seconds > 0 and rows > 0:
+            self._fwd.add(rows, seconds)
+
+    def observe_fused(self, seconds: float, rows: int) -> None:
+        """Fused heads (+ LM head) for ``rows`` requests."""
+        if seconds > 0 and rows > 0:
+            self._fus.add(rows, seconds)
+
+    # ---------------------------------------------------------------- estimates
+    @property
+    def ready(self) -> bool:
+        """At least one step was observed (before that, :meth:`costs` is a guess)."""
+        return self._frozen is not None or self._a0 is not None
+
+    def costs(self) -> dict:
+        """``{"a", "b", "f0", "f1", "h0", "h1"}`` in seconds (rank 0's numbers once
+        :meth:`load_state` was called)."""
+        if self._frozen is not None:
+            return dict(self._frozen)
+        a_prior = self._a0 if self._a0 is not None else 1.0
+        rows = float(np.mean(self._rows)) if self._rows else 1.0
+        a, b = self._step.solve(a_prior, self.prior_b * a_prior / rows, x_scale=4.0 * rows)
+        a = max(a, 1e-6)
+        b = max(b, 1e-4 * a / rows)
+        per_row = a / rows
+        f0, f1 = self._fwd.solve(self.prior_forward * a, self.prior_forward_row * per_row, x_scale=rows)
+        h0, h1 = self._fus.solve(self.prior_fused * a, self.prior_fused_row * per_row, x_scale=rows)
+        return {"a": a, "b": b, "f0": f0, "f1": f1, "h0": h0, "h1": h1}
+
+    # ---------------------------------------------------------------- TP sync
+    def state(self) -> np.ndarray:
+        """The current estimates as a float64 vector (rank 0 broadcasts it)."""
+        c = self.costs()
+        return np.array([c[k] for k in ("a", "b", "f0", "f1", "h0", "h1")], dtype=np.float64)
+
+    def load_state(self, vec: Sequence[float]) -> None:
+        """Decide from these estimates (another rank's :meth:`state`) until the next call."""
+        keys = ("a", "b", "f0", "f1", "h0", "h1")
+        self._frozen = {k: float(v) for k, v in zip(keys, vec)}
+
+
+# ============================================================== acceptance
+@dataclass
+class DepthCounts:
+    """Decayed ``reached``/``accepted`` counts per draft position (one option)."""
+
+    depth: int
+    decay: float = 0.995
+    reached: np.ndarray = field(init=False)
+    accepted: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.reached = np.zeros(self.depth)
+        self.accepted = np.zeros(self.depth)
+
+    def update(self, num_verified: int, num_accepted: int) -> None:
+        """A chain of ``num_verified`` drafts had its first ``num_accepted`` accepted."""
+        if num_verified <= 0:
+            return
+        self.reached *= self.decay
+        self.accepted *= self.decay
+        n = min(num_verified, self.depth)
+        a = min(num_accepted, num_verified)
+        reach = min(n, a + 1)             # positions 0..a were examined (a rejected, if any)
+        self.reached[:reach] += 1.0
+        self.accepted[: min(a, n)] += 1.0
+
+
+def shrunk(acc: np.ndarray, reach: np.ndarray, prior: np.ndarray, weight: float) -> np.ndarray:
+    """``(accepted + w·prior) / (reached + w)`` elementwise (Beta-style shrinkage)."""
+    return (acc + weight * prior) / (reach + weight)
+
+
+@dataclass
+class AcceptanceModel:
+    """Per-option, per-position conditional acceptance: engine-wide and per request.
+
+    Args:
+        depth: positions tracked (``num_speculative_tokens``).
+        prior_weight: pseudo-observations of the engine-wide figure in a request's
+            estimate (and of the initial prior in the engine-wide one).
+        initial: option -> prior conditional acceptance per position before anything
+            was measured (optimistic enough that every option gets tried).
+    """
+
+    depth: int
+    prior_weight: float = 8.0
+    initial: dict = field(default_factory=lambda: {FORWARD: 0.6, FUSED: 0.4, NGRAM: 0.5})
+    engine: dict = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.engine = {k: DepthCounts(self.depth) for k in DRAFT_KINDS}
+
+    def new_request(self) -> dict:
+        """Fresh per-request counts (keep them in the request's state)."""
+        return {k: DepthCounts(self.depth, decay=0.98) for k in DRAFT_KINDS}
+
+    def record(self, req: dict, kind: str, num_verified: int, num_accepted: int) -> None:
+        if kind not in self.engine:
+            return
+        self.engine[kind].update(num_verified, num_accepted)
+        req[kind].update(num_verified, num_accepted)
+
+    def engine_probs(self, kind: str) -> np.ndarray:
+        e = self.engine[kind]
+        prior = np.full(self.depth, self.initial[kind])
+        return shrunk(e.accepted, e.reached, prior, self.prior_weight)
+
+    def probs(self, req: dict, kind: str) -> np.ndarray:
+        """Conditional acceptance per position for this request and option."""
+        r = req[kind]
+        return shrunk(r.accepted, r.reached, self.engine_probs(kind), self.prior_weight)
+
+    def cumulative(self, req: dict, kind: str, length: int) -> np.ndarray:
+        """``cum_j`` = P(first j+1 drafts accepted), ``j < length``."""
+        return np.cumprod(self.probs(req, kind)[:length])
+
+
+@dataclass
+class Calibration:
+    """Acceptance of one draft token by (source, position bucket, confidence bin),
+    engine-wide, decayed: turns the chain selector's own confidence (its q_i
+    estimate) into a measured probability.
+
+    Args:
+        num_bins: confidence bins over [0, 1].
+        positions: position buckets (positions beyond the last share it).
+        prior_weight: pseudo-observations of the bin's centre as the prior.
+    """
+
+    num_bins: int = 10
+    positions: int = 8
+    prior_weight: float = 4.0
+    decay: float = 0.999
+    reached: dict = field(default_factory=dict)
+    accepted: dict = field(default_factory=dict)
+
+    def _key(self, source: int, pos: int, conf: float) -> tuple:
+        b = min(self.num_bins - 1, max(0, int(conf * self.num_bins)))
+        return source, min(pos, self.positions - 1), b
+
+    def prob(self, source: int, pos: int, conf: float) -> float:
+        k = self._key(source, pos, conf)
+        centre = (k[2] + 0.5) / self.num_bins
+        r = self.reached.get(k, 0.0)
+        a = self.accepted.get(k, 0.0)
+        return (a + self.prior_weight * centre) / (r + self.prior_weight)
+
+    def update(self, sources: Sequence[int], confs: Sequence[float], num_verified: int,
+               num_accepted: int) -> None:
+        """A verified chain: tokens ``0..num_accepted`` were examined, the first
+        ``num_accepted`` accepted."""
+        n = min(num_verified, len(sources), len(confs))
+        if n <= 0:
+            return
+        for j in range(min(n, num_accepted + 1)):
+            k = self._key(sources[j], j, confs[j])
+            self.reached[k] = self.reached.get(k, 0.0) * self.decay + 1.0
+            self.accepted[k] = self.accepted.get(k, 0.0) * self.decay + (1.0 if j < num_accepted else 0.0)
+
+
+# ============================================================== decision
+@dataclass
+class RowOptions:
+    """What one request could do this step: per available option, the estimated
+    ``cum_j`` (probability that its first j+1 drafts are accepted).
+
+    Attributes:
+        cums: option -> non-increasing array of ``cum_j`` (missing = unavailable).
+        forced: an option this request must take this step (exploration, the
+            ``"paper"``/``"cycle"`` policies), or None.
+    """
+
+    cums: dict
+    forced: str | None = None
+
+
+@dataclass
+class Decision:
+    """The policy's choice for one step.
+
+    Attributes:
+        kinds: per row, the option (``KINDS``).
+        lengths: per row, the planned chain length (0 for ``none``).
+        threshold: ``b·θ``: the chain builder cuts a chain where its estimated
+            cumulative acceptance falls to this value.
+        throughput: the expected tokens per second of the chosen plan (θ).
+        step_seconds: its expected step time.
+        expected_tokens: its expected generated tokens.
+    """
+
+    kinds: list
+    lengths: list
+    threshold: float
+    throughput: float
+    step_seconds: float
+    expected_tokens: float
+
+
+def _surplus(cum: np.ndarray, cut: float) -> tuple[float, int]:
+    """``(Σ_j max(0, cum_j - cut), number of positions with cum_j > cut)``; ``cum``
+    non-increasing so those positions form a prefix."""
+    k = int(np.searchsorted(-cum, -cut, side="left")) if cum.size else 0
+    return float(cum[:k].sum() - cut * k), k
+
+
+def _plan(rows: Sequence[RowOptions], allowed: set, costs: dict, iters: int = 6):
+    """Best plan when only ``allowed`` options exist: Dinkelbach on the throughput."""
+    R = len(rows)
+    a, b = costs["a"], costs["b"]
+    theta = R / a  # plain decoding's throughput as the first guess
+    kinds = [NONE] * R
+    lens = [0] * R
+    for _ in range(iters):
+        cut = b * theta
+        gain = 0.0
+        ntok = 0
+        n_fwd = n_fus = 0
+        for i, row in enumerate(rows):
+            best, best_s, best_k, best_gain = NONE, 0.0, 0, 0.0
+            opts = ([row.forced] if row.forced is not None else list(row.cums.keys()))
+            for kind in opts:
+                if kind == NONE or kind not in allowed or kind not in row.cums:
+                    continue
+                cum = row.cums[kind]
+                s, k = _surplus(cum, cut)
+                if row.forced is not None:
+                    k = max(k, 1) if cum.size else 0   # a forced option drafts at least one token
+                    s = float(cum[:k].sum() - cut * k) + 1e9
+                if s > best_s:
+                    best, best_s, best_k, best_gain = kind, s, k, float(cum[:k].sum())
+            kinds[i], lens[i] = best, best_k
+            gain += best_gain
+            ntok += best_k
+            n_fwd += best == FORWARD
+            n_fus += best == FUSED
+        t = a + b * ntok
+        if n_fwd:
+            t += costs["f0"] + costs["f1"] * n_fwd
+        if n_fus:
+            t += costs["h0"] + costs["h1"] * n_fus
+        new_theta = (R + gain) / t
+        if abs(new_theta - theta) <= 1e-9 * max(theta, 1e-12):
+            theta = new_theta
+            break
+        theta = new_theta
+    return theta, list(kinds), list(lens), t, R + gain
+
+
+def decide(rows: Sequence[RowOptions], costs: dict) -> Decision:
+    """Choose every request's option and chain length to maximise expected tokens/s.
+
+    Enumerates the fixed-cost options (draft forward on/off × fused heads on/off);
+    for each, finds the best plan (see module doc) and keeps the best throughput.
+    A plan that switches the forward on but gives it no row is the same as the
+    plan without it, so it is never preferred.
+
+    Args:
+        rows: per request (batch order), its :class:`RowOptions`.
+        costs: :meth:`CostModel.costs`.
+    Returns:
+        :class:`Decision`.
+    """
+    if not rows:
+        return Decision([], [], 0.0, 0.0, 0.0, 0.0)
+    best = None
+    forced_kinds = {r.forced for r in rows if r.forced is not None}
+    for fwd in (False, True):
+        for fus in (False, True):
+            allowed = {NGRAM, NONE}
+            if fwd:
+                allowed.add(FORWARD)
+            if fus:
+                allowed.add(FUSED)
+            if not forced_kinds <= allowed | {None}:
+                continue
+            theta, kinds, lens, t, tokens = _plan(rows, allowed, costs)
+            if best is None or theta > best[0] * (1 + 1e-12):
+                best = (theta, kinds, lens, t, tokens)
+    if best is None:  # forced options that no combination allows cannot happen; be safe
+        best = _plan(rows, set(KINDS), costs)
+    theta, kinds, lens, t, tokens = best
+    return Decision(kinds, lens, costs["b"] * theta, theta, t, tokens)
+
+
+def expected_tokens_per_second(cums: Sequence[np.ndarray], costs: dict, *, forward_rows: int = 0,
+                               fused_rows: int = 0) -> float:
+    """``(R + Σ cum) / (a + b·D + fixed)`` for given chains (``D`` = their total length);
+    the arithmetic :func:`decide` maximises, exposed for reports and tests."""
+    R = len(cums)
+    D = sum(len(c) for c in cums)
+    t = costs["a"] + costs["b"] * D
+    if forward_rows:
+        t += costs["f0"] + costs["f1"] * forward_rows
+    if fused_rows:
+        t += costs["h0"] + costs["h1"] * fused_rows
+    return (R + float(sum(float(np.sum(c)) for c in cums))) / t
+
+
+def cut_length(cum: Sequence[float], threshold: float) -> int:
+    """Longest prefix whose cumulative estimates all exceed ``threshold`` (at least 0)."""
+    k = 0
+    for c in cum:
+        if c <= threshold or not math.isfinite(c):
+            break
+        k += 1
+    return k
