@@ -93,4 +93,9 @@ def test_plugin_installs_cpu_expand_fix():
     from vllm_tokenswift.plugin import expand_batch_to_tokens_torch, register
 
     register()
-    assert rs.expand_batch_to_tokens is expand_batch_to_tokens_torch
+    # the registry installs a wrapper with vLLM's signature that calls our torch version
+    patched = rs.expand_batch_to_tokens
+    assert patched.__doc__ == expand_batch_to_tokens_torch.__doc__
+    got = patched(torch.tensor([5, 0, 7]), torch.tensor([0, 2, 3]), 3)
+    assert got.tolist() == [0, 0, 7]
+    assert patched(torch.tensor([5, 0, 7]), torch.tensor([1, 2, 3]), 3, 0, 9).tolist() == [5, 9, 7]

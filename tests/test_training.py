@@ -108,6 +108,33 @@ def test_data_packing_and_cut(llama_dir):
         load_token_sequences(CORPUS, tok, 100000)
 
 
+def test_windows_per_doc(llama_dir):
+    """W windows per document: the first W*L tokens as W sequences, remainder packed/skipped."""
+    tok = transformers.AutoTokenizer.from_pretrained(llama_dir)
+    docs = list(iter_documents(CORPUS))
+    full = [tok(d)["input_ids"] for d in docs]
+    L, W = 20, 3
+    got = build_sequences(docs, tok, L, pack=False, windows_per_doc=W)
+    want = [f[w * L:(w + 1) * L] for f in full for w in range(min(W, len(f) // L))]
+    assert got.tolist() == want
+    assert got.shape[0] > sum(1 for f in full if len(f) >= L)   # more than one window per long doc
+    # with packing, each document's remainder after its full windows is packed (EOS-separated)
+    packed = build_sequences(docs, tok, L, pack=True, windows_per_doc=W).tolist()
+    stream = []
+    for f in full:
+        head = f[: W * L]
+        rest = head[(len(head) // L) * L:]
+        if rest or len(head) < L:
+            stream += rest + [tok.eos_token_id]
+    extra = len(stream) // L
+    assert len(packed) == len(want) + extra
+    windows = [r for r in packed if r in want]
+    assert windows == want
+    assert [t for r in packed if r not in want for t in r] == stream[: extra * L]
+    with pytest.raises(TrainHeadsError, match="windows_per_doc must be >= 1"):
+        build_sequences(docs, tok, L, windows_per_doc=0)
+
+
 def test_lr_schedule():
     f = [lr_factor(u, 10, 2) for u in range(10)]
     assert f[0] == 0.5 and f[1] == 1.0 and f[2] == 1.0
