@@ -101,6 +101,40 @@ def test_greedy_tokens_equal_gguf_and_converted_folder(smollm2):
     assert "Paris" in tok.decode(gb[0, ids.shape[1]:])
 
 
+def test_bundled_heads_load_and_fit_the_model(smollm2):
+    """The heads in assets/smollm2-heads fit SmolLM2 (front-end check and worker loader agree)
+    and are trained (not zero heads): on the model's own hidden states, head 1's prediction
+    differs from the base model's somewhere."""
+    import torch
+    import transformers
+
+    from vllm_tokenswift.assets_cli import SMOLLM2_HEADS
+    from vllm_tokenswift.config import TokenSwiftConfig
+    from vllm_tokenswift.heads import inspect_heads, load_heads
+
+    cfg = json.loads((smollm2 / "config.json").read_text())
+    info = inspect_heads(SMOLLM2_HEADS)
+    assert (info.hidden_size, info.num_heads) == (576, 3)
+    TokenSwiftConfig(heads=str(SMOLLM2_HEADS)).check_heads_info(info, cfg["hidden_size"])
+    heads = load_heads(SMOLLM2_HEADS, hidden_size=cfg["hidden_size"], eps=cfg["rms_norm_eps"])
+    assert heads.num_heads == 3
+    assert all(float(t.abs().max()) > 0 for k, t in heads.state_dict_flat().items() if "weight" in k)
+    tok = transformers.AutoTokenizer.from_pretrained(smollm2)
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2, torch_dtype=torch.float32)
+    ids = tok("It is a truth universally acknowledged, that a single man in possession of a good "
+              "fortune, must be in want of a wife.", return_tensors="pt")["input_ids"]
+    captured = []
+    hook = model.model.norm.register_forward_hook(lambda m, args, out: captured.append(args[0]))
+    with torch.no_grad():
+        out = model(ids)
+        hook.remove()
+        pre = captured[0][0]   # [T, H] the pre-final-norm hidden states (what the heads read)
+        logits = [model.lm_head(x) for x in heads(pre)]
+    assert len(logits) == 3 and all(x.shape == (ids.shape[1], cfg["vocab_size"]) for x in logits)
+    assert torch.isfinite(torch.stack(logits)).all()
+    assert (logits[0].argmax(-1) != out.logits[0].argmax(-1)).any()
+
+
 def test_second_call_uses_the_cache(smollm2, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("must not convert or locate the GGUF again")
