@@ -94,3 +94,26 @@ def test_draft_probs_buffer_rows_and_positions():
     # next step: stale values of other positions are never read by vLLM, rows rewritten
     prop._set_draft_probs(runner, rows, [[4], [], [0]], {}, "cpu", V)
     assert runner._draft_probs[0, 0].tolist() == [0, 0, 0, 0, 1.0, 0]
+
+
+def test_tp_broadcast_from_rank0_is_float32_only_and_exact_enough(monkeypatch):
+    """vLLM's CPU all-gather has no float64 kernel: the broadcast sends float32 hi/lo pairs
+    and every rank rebuilds rank 0's values (to ~1e-14 relative)."""
+    import numpy as np
+    import torch
+
+    from vllm_tokenswift import draft_forward
+
+    sent = []
+
+    def fake_gather(t):
+        assert t.dtype == torch.float32 and t.dim() == 1
+        sent.append(t)
+        return torch.stack([t, t + 1.0])   # rank 1 holds other values; row 0 wins
+
+    monkeypatch.setattr(draft_forward, "tp_all_gather", fake_gather)
+    x = np.array([0.1, 12.345678901234, 1e-7, 3.0e5 + 1 / 3, 0.0])
+    got = draft_forward.tp_broadcast_from_rank0(x)
+    assert got.dtype == np.float64 and got.shape == (5,)
+    np.testing.assert_allclose(got, x, rtol=1e-13, atol=0)
+    assert sent[0].numel() == 10

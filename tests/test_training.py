@@ -262,7 +262,9 @@ def test_grad_accum_equals_bigger_batch(llama_dir, tmp_path):
     a = train_heads(llama_dir, CORPUS, tmp_path / "a", **{**base, "batch_size": 2, "grad_accum": 1})
     b = train_heads(llama_dir, CORPUS, tmp_path / "b", **{**base, "batch_size": 1, "grad_accum": 2})
     for k, v in a.heads.state_dict_flat().items():
-        torch.testing.assert_close(v, b.heads.state_dict_flat()[k], atol=5e-6, rtol=1e-5)  # float rounding
+        # float rounding (summation order differs with the thread count), amplified by Adam's
+        # normalisation; a wrong accumulation changes weights by O(lr) = 1e-2
+        torch.testing.assert_close(v, b.heads.state_dict_flat()[k], atol=1e-4, rtol=1e-4)
 
 
 # ---------------------------------------------------------------------- errors

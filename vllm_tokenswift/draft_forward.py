@@ -307,9 +307,19 @@ def tp_all_gather(t: torch.Tensor) -> torch.Tensor:
 
 
 def tp_broadcast_from_rank0(vec: np.ndarray) -> np.ndarray:
-    """Rank 0's float64 vector on every tensor-parallel rank (an all-gather, row 0)."""
-    g = tp_all_gather(torch.as_tensor(np.asarray(vec, dtype=np.float64)))
-    return g[0].numpy()
+    """Rank 0's float64 vector ``[n]`` on every tensor-parallel rank (an all-gather, row 0).
+
+    vLLM's CPU communicator (``shm_all_gather``) has no float64 kernel, so the vector
+    travels as float32 pairs ``hi = f32(x)``, ``lo = f32(x - hi)`` (about 48 bits of
+    mantissa) and is rebuilt as ``hi + lo`` in float64. Every rank, rank 0 included,
+    uses the rebuilt values, so all ranks hold the same numbers bit for bit.
+    """
+    x = np.asarray(vec, dtype=np.float64).reshape(-1)
+    hi = x.astype(np.float32)
+    lo = (x - hi.astype(np.float64)).astype(np.float32)
+    g = tp_all_gather(torch.from_numpy(np.concatenate([hi, lo])))
+    row = g[0].numpy()
+    return row[: x.size].astype(np.float64) + row[x.size:].astype(np.float64)
 
 
 def _kernel_blocks(group, cm):
