@@ -242,3 +242,29 @@ def test_state_release_hook_frees_finished_preempted_resumed():
     assert release_finished_states(ngram, _sched_out(finished={"d"})) == 0 and "d" in drafter.states
     assert release_finished_states(SimpleNamespace(speculative_config=ts_spec, drafter=object()),
                                    _sched_out(finished={"d"})) == 0
+
+
+def test_draft_free_steps_take_the_plain_sampler():
+    """``draft-free-sampling``: on TokenSwift engines a step with no draft tokens gives vLLM's
+    ``_sample`` no spec-decode metadata (plain decoding's sampler); steps with drafts, and
+    every step of other engines, keep the metadata (the rejection sampler)."""
+    from vllm_tokenswift import patches
+
+    calls = []
+
+    def orig(self, logits, spec_decode_metadata):
+        calls.append(spec_decode_metadata)
+        return "out"
+
+    patch = next(p for p in plugin.PATCHES if p.name == "draft-free-sampling")
+    assert patches.RECORDS[patch.name].status == "applied"
+    sample = plugin._patch_draft_free_sampling({patch.targets[0].path: orig})[patch.targets[0].path]
+    ts = SimpleNamespace(speculative_config=SimpleNamespace(method="custom_class", model=PROPOSER_CLASS_PATH))
+    other = SimpleNamespace(speculative_config=SimpleNamespace(method="ngram", model=None))
+    none_ = SimpleNamespace(max_spec_len=0)
+    some = SimpleNamespace(max_spec_len=3)
+    assert sample(ts, "logits", none_) == "out"
+    sample(ts, "logits", some)
+    sample(other, "logits", none_)
+    sample(ts, "logits", None)
+    assert calls == [None, some, none_, None]

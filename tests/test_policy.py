@@ -135,3 +135,73 @@ def test_cut_length():
     assert pol.cut_length([0.9, 0.5, 0.2], 0.3) == 2
     assert pol.cut_length([0.1], 0.3) == 0
     assert pol.cut_length([], 0.0) == 0
+
+
+def test_cost_model_separates_the_fixed_price_of_drafting():
+    """Steps without drafts cost a = 0.1 s; steps with D drafts cost a + g + b·D with
+    g = 0.02, b = 0.01: the fit recovers all three, and counts the plain steps it holds."""
+    cm = pol.CostModel(window=40)
+    for d in [0, 3, 6, 0, 1, 5, 2, 0, 4, 8] * 4:
+        cm.observe_step(0.1 + (0.02 + 0.01 * d if d else 0.0), rows=1, draft_tokens=d)
+    c = cm.costs()
+    assert c["a"] == pytest.approx(0.1, rel=0.03)
+    assert c["g"] == pytest.approx(0.02, rel=0.1)
+    assert c["b"] == pytest.approx(0.01, rel=0.05)
+    assert cm.plain_observations() == 12
+    # plain observations leave the window with the steps that made them
+    for _ in range(35):
+        cm.observe_step(0.15, rows=1, draft_tokens=4)
+    assert cm.plain_observations() == 1       # the last 5 of the old cycle (5, 2, 0, 4, 8) hold one
+    for _ in range(5):
+        cm.observe_step(0.15, rows=1, draft_tokens=4)
+    assert cm.plain_observations() == 0
+    assert tuple(cm.costs()) == pol.CostModel.KEYS
+
+
+def test_cost_state_round_trip_and_length_check():
+    cm = pol.CostModel()
+    cm.observe_step(0.1, rows=2, draft_tokens=0)
+    vec = cm.state()
+    assert vec.shape == (len(pol.CostModel.KEYS),) and vec.dtype == np.float64
+    other = pol.CostModel()
+    other.load_state(vec)
+    assert other.costs() == pytest.approx(cm.costs())
+    with pytest.raises(ValueError, match="expected 7"):
+        other.load_state(vec[:6])
+
+
+def test_fixed_price_of_drafting_makes_plain_decoding_win():
+    """An n-gram chain with cum [0.15, 0.05]: with g = 0 its first token pays
+    (0.15 > b·θ = 0.01·10); with g = 0.02 the best drafting plan makes
+    1.15 / 0.13 = 8.85 tok/s < 10 tok/s of plain decoding, so no request drafts."""
+    r = row(ngram=[0.15, 0.05], none=[])
+    d0 = pol.decide([r], costs())
+    assert d0.kinds == ["ngram"] and d0.lengths == [1]
+    assert d0.throughput == pytest.approx(1.15 / 0.11)
+    d = pol.decide([r], dict(costs(), g=0.02))
+    assert d.kinds == ["none"] and d.lengths == [0]
+    assert d.throughput == pytest.approx(10.0) and d.step_seconds == pytest.approx(0.1)
+    assert pol.plain_decision([r, r], costs()).kinds == ["none", "none"]
+    # the price is paid once per step, not per request
+    d8 = pol.decide([row(ngram=[0.5], none=[])] * 8, dict(costs(b=0.001), g=0.02))
+    assert d8.kinds == ["ngram"] * 8
+    assert d8.throughput == pytest.approx(12 / (0.1 + 0.02 + 0.008))
+    # a forced option still drafts (exploration), paying g
+    forced = pol.RowOptions({"ngram": np.array([0.15]), "none": np.zeros(0)}, forced="ngram")
+    assert pol.decide([forced], dict(costs(), g=0.02)).kinds == ["ngram"]
+
+
+def test_plain_probe_only_when_the_choice_is_close_and_unmeasured():
+    c = dict(costs(), g=0.0)
+    close = [row(ngram=[0.3], none=[])]                 # 1.3 / 0.11 = 11.8 tok/s vs 10
+    far = [row(ngram=np.cumprod(np.full(8, 0.95)), none=[])]
+    d_close, d_far = pol.decide(close, c), pol.decide(far, c)
+    assert d_close.lengths == [1] and d_far.lengths == [8]
+    assert pol.needs_plain_probe(d_close, close, c, plain_obs=0)
+    assert pol.needs_plain_probe(d_close, close, c, plain_obs=3)
+    assert not pol.needs_plain_probe(d_close, close, c, plain_obs=4)       # measured enough
+    assert not pol.needs_plain_probe(d_far, far, c, plain_obs=0)           # gain beyond the margin
+    plain = pol.plain_decision(close, c)
+    assert not pol.needs_plain_probe(plain, close, c, plain_obs=0)         # already plain
+    forced = [pol.RowOptions({"ngram": np.array([0.3]), "none": np.zeros(0)}, forced="ngram")]
+    assert not pol.needs_plain_probe(pol.decide(forced, c), forced, c, plain_obs=0)

@@ -117,3 +117,64 @@ def test_tp_broadcast_from_rank0_is_float32_only_and_exact_enough(monkeypatch):
     assert got.dtype == np.float64 and got.shape == (5,)
     np.testing.assert_allclose(got, x, rtol=1e-13, atol=0)
     assert sent[0].numel() == 10
+
+
+def test_inverse_cdf_draws_follow_q_and_never_take_zero_mass_tokens():
+    """Chi-square goodness of fit of 20,000 draws per depth against q (two depths with
+    different q, zero-probability tokens included), and the fallback for a row without
+    positive mass."""
+    from scipy.stats import chisquare
+
+    q = torch.zeros(2, 12)
+    q[0, :6] = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+    q[1, 5:] = torch.softmax(torch.arange(7, dtype=torch.float32) / 3, -1)
+    prop = _proposer()
+    st = prop._new_state(_runner(r=5), "r")
+    draws = np.array([prop._draw(st, q) for _ in range(20000)])     # [N, 2]
+    for d in range(2):
+        counts = np.bincount(draws[:, d], minlength=12)
+        support = q[d].numpy() > 0
+        assert counts[~support].sum() == 0
+        exp = q[d].numpy()[support].astype(np.float64)
+        _, p = chisquare(counts[support], exp / exp.sum() * counts.sum())
+        assert p > 1e-3, (d, counts)
+    bad = torch.zeros(1, 12)
+    try:
+        prop._draw(st, bad)
+    except RuntimeError:
+        pass   # torch.multinomial's own error for a row without mass
+    else:
+        raise AssertionError("a row without probability mass must not be drawn from")
+
+
+def test_exploration_backs_off_while_forced_tries_are_not_taken_up():
+    """The adaptive policy forces a try of the draft forward every ``explore_gap`` steps of
+    a request; each forced try doubles the gap (up to EXPLORE_MAX), a voluntary choice
+    resets it."""
+    from vllm_tokenswift import policy as pol
+    from vllm_tokenswift.proposer import EXPLORE_EVERY, EXPLORE_MAX
+
+    prop = _proposer(policy="adaptive")
+    st = prop._new_state(_runner(r=1), "r")
+    r = _Row(0, "r", st, pos=10, room=4, context=[1, 2])
+
+    def forced_at(step):
+        st.steps = step
+        return prop._row_options(r, has_fused=False).forced
+
+    assert st.explore_gap == EXPLORE_EVERY
+    assert forced_at(EXPLORE_EVERY - 1) is None and forced_at(EXPLORE_EVERY) == pol.FORWARD
+    gaps = []
+    tried = 0
+    for _ in range(8):   # forced tries, never chosen voluntarily
+        step = tried + st.explore_gap
+        assert forced_at(step - 1) is None and forced_at(step) == pol.FORWARD
+        st.took(pol.FORWARD, forced=True)
+        tried = step
+        gaps.append(st.explore_gap)
+    assert gaps == [96, 192, 384, 768, 768, 768, 768, 768] and EXPLORE_MAX == 768
+    st.took(pol.NGRAM, forced=False)          # other options leave the gap alone
+    assert st.explore_gap == EXPLORE_MAX
+    st.took(pol.FORWARD, forced=False)        # chosen on its own: back to the short gap
+    assert st.explore_gap == EXPLORE_EVERY
+    assert forced_at(st.steps + EXPLORE_EVERY) == pol.FORWARD

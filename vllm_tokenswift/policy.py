@@ -21,16 +21,21 @@ and how long each chain is.
 
 **Cost model** (:class:`CostModel`). One engine step costs::
 
-    T = a + b·D + [any forward]·(f0 + f1·n_fwd) + [any fused]·(h0 + h1·n_fused)
+    T = a + g·[D>0] + b·D + [any forward]·(f0 + f1·n_fwd) + [any fused]·(h0 + h1·n_fused)
 
 ``a``: a step that verifies no draft tokens (the plain decode step of this batch,
-plus the proposer's own fixed work); ``b``: each verified draft token; ``D``:
-draft tokens in the batch; ``f0 + f1·n`` and ``h0 + h1·n``: the draft forward and
-the fused heads for ``n`` rows. Each pair is a ridge-regularised least-squares fit
-over the last :attr:`CostModel.window` observations (wall-clock, from the
-proposer's timers), pulled towards priors expressed as fractions of ``a`` so that
-a fresh engine starts with sensible numbers. ``a`` and ``b`` follow context growth
-and batch-size changes because old observations leave the window.
+plus the proposer's own fixed work); ``g``: the fixed extra cost of a step that
+verifies any draft (vLLM's rejection sampler and spec-decode metadata instead of
+the plain sampler); ``b``: each verified draft token; ``D``: draft tokens in the
+batch; ``f0 + f1·n`` and ``h0 + h1·n``: the draft forward and the fused heads for
+``n`` rows. Each is a non-negative ridge least-squares fit over the last
+:attr:`CostModel.window` observations (wall-clock, from the proposer's timers),
+pulled towards priors expressed as fractions of ``a`` so that a fresh engine starts
+with sensible numbers. ``a`` and ``b`` follow context growth and batch-size changes
+because old observations leave the window. ``a`` and ``g`` can only be told apart
+when some steps verify no draft; when the window holds too few such steps and the
+plan's predicted gain over plain decoding is small, :func:`needs_plain_probe` asks
+for one plain step.
 
 **Acceptance** (:class:`AcceptanceModel`). Per option and per draft position j,
 the probability that draft j is accepted given that drafts ``0..j-1`` were
@@ -47,8 +52,9 @@ the first ``j+1`` drafts of request r are accepted, a step generates
 ``(R + Σ cum) / T`` over which drafts to include is a ratio problem whose optimum
 includes exactly the drafts with ``cum > b·θ*``, ``θ*`` the optimal throughput
 (Dinkelbach iteration; a few rounds converge). The fixed costs of the draft
-forward and the fused heads are decided by enumerating the four on/off
-combinations; each request then takes the option with the largest surplus
+forward and the fused heads are decided by enumerating the on/off combinations,
+plus plain decoding (no drafts, no ``g``); each request then takes the option with
+the largest surplus
 ``Σ_j max(0, cum_j − b·θ)``. The chain builder later cuts each chain where its
 per-token estimate drops to ``b·θ`` (:attr:`Decision.threshold`).
 
@@ -81,45 +87,57 @@ DRAFT_KINDS = (FORWARD, FUSED, NGRAM)
 
 # ============================================================== cost model
 @dataclass
-class _LinearFit:
-    """``y ≈ c0 + c1·x`` (``c0, c1 >= 0``) by ridge least squares over the last
-    ``window`` observations, pulled towards a prior ``(p0, p1)`` by the penalty
-    ``strength·(c0 - p0)² + strength·x_scale²·(c1 - p1)²``."""
+class _RidgeFit:
+    """``y ≈ X·c`` with ``c >= 0`` by ridge least squares over the last ``window``
+    observations, pulled towards a prior ``p`` by ``Σ_i strength·scale_i²·(c_i - p_i)²``.
 
+    Non-negativity (costs never fall with more work) by a small active set: a
+    coefficient that comes out negative is fixed at 0 and the rest refitted.
+
+    Args:
+        features: number of features (columns of ``X``).
+        window: observations kept.
+        strength: weight of the prior (pseudo-observations at ``scale_i``).
+    """
+
+    features: int
     window: int = 64
     strength: float = 2.0
-    xs: deque = field(default_factory=deque)
-    ys: deque = field(default_factory=deque)
+    rows: deque = field(default_factory=deque)
 
-    def add(self, x: float, y: float) -> None:
-        self.xs.append(float(x))
-        self.ys.append(float(y))
-        while len(self.xs) > self.window:
-            self.xs.popleft()
-            self.ys.popleft()
+    def add(self, x: Sequence[float], y: float) -> None:
+        """One observation: feature vector ``x`` (length ``features``), target ``y``."""
+        self.rows.append((tuple(float(v) for v in x), float(y)))
+        while len(self.rows) > self.window:
+            self.rows.popleft()
 
-    def solve(self, p0: float, p1: float, x_scale: float = 1.0) -> tuple[float, float]:
-        """Ridge solution; ``x_scale`` is a typical x (so the prior on c1 weighs like c0's)."""
-        n = len(self.xs)
-        lam0 = self.strength
-        lam1 = self.strength * x_scale * x_scale
-        if n == 0:
-            return p0, p1
-        x = np.fromiter(self.xs, dtype=np.float64, count=n)
-        y = np.fromiter(self.ys, dtype=np.float64, count=n)
-        A = np.array([[n + lam0, x.sum()], [x.sum(), (x * x).sum() + lam1]])
-        rhs = np.array([y.sum() + lam0 * p0, (x * y).sum() + lam1 * p1])
-        c0, c1 = np.linalg.solve(A, rhs)
-        if c1 < 0:   # costs never fall with more work: refit the intercept alone
-            c1 = 0.0
-            c0 = (y.sum() + lam0 * p0) / (n + lam0)
-        if c0 < 0:
-            c0 = 0.0
-            c1 = max(0.0, ((x * y).sum() + lam1 * p1) / ((x * x).sum() + lam1))
-        return float(c0), float(c1)
+    def __len__(self) -> int:
+        return len(self.rows)
 
-    def mean_y(self) -> float | None:
-        return float(np.mean(self.ys)) if self.ys else None
+    def solve(self, prior: Sequence[float], scale: Sequence[float]) -> list[float]:
+        """Ridge solution ``c`` (length ``features``, all ``>= 0``); ``scale_i`` is a
+        typical value of feature i, so every prior weighs like ``strength`` observations."""
+        p = np.asarray(prior, dtype=np.float64)
+        if not self.rows:
+            return [max(0.0, float(v)) for v in p]
+        X = np.array([r[0] for r in self.rows], dtype=np.float64)
+        y = np.array([r[1] for r in self.rows], dtype=np.float64)
+        lam = self.strength * np.asarray(scale, dtype=np.float64) ** 2
+        A = X.T @ X + np.diag(lam)
+        rhs = X.T @ y + lam * p
+        free = np.ones(self.features, dtype=bool)
+        c = np.zeros(self.features)
+        for _ in range(self.features):
+            c[:] = 0.0
+            c[free] = np.linalg.solve(A[np.ix_(free, free)], rhs[free])
+            neg = free & (c < 0)
+            if not neg.any():
+                break
+            free &= ~neg
+            if not free.any():
+                c[:] = 0.0
+                break
+        return [float(v) for v in np.maximum(c, 0.0)]
 
 
 @dataclass
@@ -127,35 +145,44 @@ class CostModel:
     """Online step-cost model (see module doc). All times in seconds.
 
     Priors, as fractions of the draft-free step time ``a`` and of its per-request share
-    ``a/R`` (``R``: requests in the step, averaged over the observations): a verified
-    draft token costs ``prior_b``·a/R, the draft forward ``prior_forward``·a (it reads
-    all the weights, like a decode step, but attends to the budgeted view only) plus
-    ``prior_forward_row``·a/R per row, the fused heads ``prior_fused``·a (three ``H×H``
-    products and one LM-head product for three rows) plus ``prior_fused_row``·a/R.
+    ``a/R`` (``R``: requests in the step, averaged over the observations): a step that
+    verifies any draft pays ``prior_g``·a once (the rejection sampler, the spec-decode
+    metadata and the wider logits), each verified draft token ``prior_b``·a/R, the
+    draft forward ``prior_forward``·a (it reads all the weights, like a decode step, but
+    attends to the budgeted view only) plus ``prior_forward_row``·a/R per row, the fused
+    heads ``prior_fused``·a (three ``H×H`` products and one LM-head product for three
+    rows) plus ``prior_fused_row``·a/R.
 
     Args:
         window: observations kept per fit.
-        strength: weight of the priors (pseudo-observations).
+        strength: weight of the priors of the forward/fused fits (pseudo-observations).
+        step_strength: weight of the priors of the step fit (weaker: every step
+            observes it, and its split between ``a``, ``g`` and ``b`` is what decides).
     """
 
     window: int = 64
     strength: float = 2.0
+    step_strength: float = 0.25
+    prior_g: float = 0.15
     prior_b: float = 0.08
     prior_forward: float = 0.8
     prior_forward_row: float = 0.3
     prior_fused: float = 0.15
     prior_fused_row: float = 0.05
-    _step: _LinearFit = field(init=False)
-    _fwd: _LinearFit = field(init=False)
-    _fus: _LinearFit = field(init=False)
+    #: order of :meth:`state`
+    KEYS = ("a", "g", "b", "f0", "f1", "h0", "h1")
+    _step: _RidgeFit = field(init=False)
+    _fwd: _RidgeFit = field(init=False)
+    _fus: _RidgeFit = field(init=False)
     _a0: float | None = field(default=None, init=False)
     _rows: deque = field(default_factory=deque, init=False)
+    _plain: int = field(default=0, init=False)
     _frozen: dict | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        self._step = _LinearFit(self.window, self.strength)
-        self._fwd = _LinearFit(self.window, self.strength)
-        self._fus = _LinearFit(self.window, self.strength)
+        self._step = _RidgeFit(3, self.window, self.step_strength)
+        self._fwd = _RidgeFit(2, self.window, self.strength)
+        self._fus = _RidgeFit(2, self.window, self.strength)
 
     # ---------------------------------------------------------------- observations
     def observe_step(self, seconds: float, rows: int, draft_tokens: int) -> None:
@@ -165,7 +192,10 @@ class CostModel:
             return
         if self._a0 is None:
             self._a0 = seconds
-        self._step.add(draft_tokens, seconds)
+        if len(self._step) == self.window and self._step.rows[0][0][1] == 0.0:
+            self._plain -= 1          # a plain observation leaves the window
+        self._step.add((1.0, 1.0 if draft_tokens > 0 else 0.0, draft_tokens), seconds)
+        self._plain += draft_tokens <= 0
         self._rows.append(rows)
         while len(self._rows) > self.window:
             self._rows.popleft()
@@ -173,12 +203,17 @@ class CostModel:
     def observe_forward(self, seconds: float, rows: int) -> None:
         """One draft forward over ``rows`` requests (view planning included)."""
         if seconds > 0 and rows > 0:
-            self._fwd.add(rows, seconds)
+            self._fwd.add((1.0, rows), seconds)
 
     def observe_fused(self, seconds: float, rows: int) -> None:
         """Fused heads (+ LM head) for ``rows`` requests."""
         if seconds > 0 and rows > 0:
-            self._fus.add(rows, seconds)
+            self._fus.add((1.0, rows), seconds)
+
+    def plain_observations(self) -> int:
+        """Steps in the window that verified no draft token (they pin down ``a`` apart
+        from ``g``; see :func:`needs_plain_probe`)."""
+        return self._plain
 
     # ---------------------------------------------------------------- estimates
     @property
@@ -187,30 +222,39 @@ class CostModel:
         return self._frozen is not None or self._a0 is not None
 
     def costs(self) -> dict:
-        """``{"a", "b", "f0", "f1", "h0", "h1"}`` in seconds (rank 0's numbers once
+        """``{"a", "g", "b", "f0", "f1", "h0", "h1"}`` in seconds (rank 0's numbers once
         :meth:`load_state` was called)."""
         if self._frozen is not None:
             return dict(self._frozen)
         a_prior = self._a0 if self._a0 is not None else 1.0
         rows = float(np.mean(self._rows)) if self._rows else 1.0
-        a, b = self._step.solve(a_prior, self.prior_b * a_prior / rows, x_scale=4.0 * rows)
+        a, g, b = self._step.solve((a_prior, self.prior_g * a_prior, self.prior_b * a_prior / rows),
+                                   (1.0, 1.0, 4.0 * rows))
         a = max(a, 1e-6)
         b = max(b, 1e-4 * a / rows)
         per_row = a / rows
-        f0, f1 = self._fwd.solve(self.prior_forward * a, self.prior_forward_row * per_row, x_scale=rows)
-        h0, h1 = self._fus.solve(self.prior_fused * a, self.prior_fused_row * per_row, x_scale=rows)
-        return {"a": a, "b": b, "f0": f0, "f1": f1, "h0": h0, "h1": h1}
+        f0, f1 = self._fwd.solve((self.prior_forward * a, self.prior_forward_row * per_row), (1.0, rows))
+        h0, h1 = self._fus.solve((self.prior_fused * a, self.prior_fused_row * per_row), (1.0, rows))
+        return {"a": a, "g": g, "b": b, "f0": f0, "f1": f1, "h0": h0, "h1": h1}
 
     # ---------------------------------------------------------------- TP sync
     def state(self) -> np.ndarray:
-        """The current estimates as a float64 vector (rank 0 broadcasts it)."""
+        """The current estimates as a float64 vector in :attr:`KEYS` order (rank 0
+        broadcasts it)."""
         c = self.costs()
-        return np.array([c[k] for k in ("a", "b", "f0", "f1", "h0", "h1")], dtype=np.float64)
+        return np.array([c[k] for k in self.KEYS], dtype=np.float64)
 
     def load_state(self, vec: Sequence[float]) -> None:
-        """Decide from these estimates (another rank's :meth:`state`) until the next call."""
-        keys = ("a", "b", "f0", "f1", "h0", "h1")
-        self._frozen = {k: float(v) for k, v in zip(keys, vec)}
+        """Decide from these estimates (another rank's :meth:`state`) until the next call.
+
+        Raises:
+            ValueError: ``vec`` does not have one value per key of :attr:`KEYS`.
+        """
+        vals = [float(v) for v in vec]
+        if len(vals) != len(self.KEYS):
+            raise ValueError(f"cost state has {len(vals)} values, expected {len(self.KEYS)} "
+                             f"({', '.join(self.KEYS)})")
+        self._frozen = dict(zip(self.KEYS, vals))
 
 
 # ============================================================== acceptance
@@ -378,13 +422,27 @@ def _surplus(cum: np.ndarray, cut: float) -> tuple[float, int]:
     return float(cum[:k].sum() - cut * k), k
 
 
+def _step_seconds(costs: dict, draft_tokens: int, n_fwd: int, n_fus: int) -> float:
+    """``T`` of the module doc for a plan with these counts."""
+    t = costs["a"] + costs["b"] * draft_tokens
+    if draft_tokens > 0:
+        t += costs.get("g", 0.0)
+    if n_fwd:
+        t += costs["f0"] + costs["f1"] * n_fwd
+    if n_fus:
+        t += costs["h0"] + costs["h1"] * n_fus
+    return t
+
+
 def _plan(rows: Sequence[RowOptions], allowed: set, costs: dict, iters: int = 6):
     """Best plan when only ``allowed`` options exist: Dinkelbach on the throughput."""
     R = len(rows)
-    a, b = costs["a"], costs["b"]
-    theta = R / a  # plain decoding's throughput as the first guess
+    b = costs["b"]
+    theta = R / costs["a"]  # plain decoding's throughput as the first guess
     kinds = [NONE] * R
     lens = [0] * R
+    t = costs["a"]
+    gain = 0.0
     for _ in range(iters):
         cut = b * theta
         gain = 0.0
@@ -408,11 +466,7 @@ def _plan(rows: Sequence[RowOptions], allowed: set, costs: dict, iters: int = 6)
             ntok += best_k
             n_fwd += best == FORWARD
             n_fus += best == FUSED
-        t = a + b * ntok
-        if n_fwd:
-            t += costs["f0"] + costs["f1"] * n_fwd
-        if n_fus:
-            t += costs["h0"] + costs["h1"] * n_fus
+        t = _step_seconds(costs, ntok, n_fwd, n_fus)
         new_theta = (R + gain) / t
         if abs(new_theta - theta) <= 1e-9 * max(theta, 1e-12):
             theta = new_theta
@@ -421,53 +475,86 @@ def _plan(rows: Sequence[RowOptions], allowed: set, costs: dict, iters: int = 6)
     return theta, list(kinds), list(lens), t, R + gain
 
 
+def plain_decision(rows: Sequence[RowOptions], costs: dict) -> Decision:
+    """Plain decoding for every request: no drafts, step time ``a``, ``R/a`` tokens/s."""
+    R = len(rows)
+    a = costs["a"]
+    return Decision([NONE] * R, [0] * R, costs["b"] * R / a, R / a, a, float(R))
+
+
+#: the fixed-cost combinations :func:`decide` enumerates (``{NONE}``: plain decoding)
+_COMBOS = (frozenset({NONE}), frozenset({NGRAM, NONE}), frozenset({NGRAM, NONE, FORWARD}),
+           frozenset({NGRAM, NONE, FUSED}), frozenset({NGRAM, NONE, FORWARD, FUSED}))
+
+
 def decide(rows: Sequence[RowOptions], costs: dict) -> Decision:
     """Choose every request's option and chain length to maximise expected tokens/s.
 
-    Enumerates the fixed-cost options (draft forward on/off × fused heads on/off);
-    for each, finds the best plan (see module doc) and keeps the best throughput.
-    A plan that switches the forward on but gives it no row is the same as the
-    plan without it, so it is never preferred.
+    Enumerates plain decoding and the fixed-cost options (draft forward on/off ×
+    fused heads on/off, n-gram chains always allowed); for each, finds the best plan
+    (see module doc) and keeps the best throughput. A plan that switches the forward
+    on but gives it no row is the same as the plan without it, so it is never
+    preferred; a plan that drafts pays ``g`` once, so plain decoding wins when the
+    expected accepted tokens do not cover it. Combinations that do not allow a
+    request's forced option are skipped.
 
     Args:
         rows: per request (batch order), its :class:`RowOptions`.
-        costs: :meth:`CostModel.costs`.
+        costs: :meth:`CostModel.costs` (``g`` may be absent: 0).
     Returns:
         :class:`Decision`.
     """
     if not rows:
         return Decision([], [], 0.0, 0.0, 0.0, 0.0)
-    best = None
     forced_kinds = {r.forced for r in rows if r.forced is not None}
-    for fwd in (False, True):
-        for fus in (False, True):
-            allowed = {NGRAM, NONE}
-            if fwd:
-                allowed.add(FORWARD)
-            if fus:
-                allowed.add(FUSED)
-            if not forced_kinds <= allowed | {None}:
-                continue
-            theta, kinds, lens, t, tokens = _plan(rows, allowed, costs)
-            if best is None or theta > best[0] * (1 + 1e-12):
-                best = (theta, kinds, lens, t, tokens)
-    if best is None:  # forced options that no combination allows cannot happen; be safe
-        best = _plan(rows, set(KINDS), costs)
+    best = None
+    for allowed in _COMBOS:
+        if not forced_kinds <= allowed:
+            continue
+        if allowed == {NONE}:
+            d = plain_decision(rows, costs)
+            plan = (d.throughput, d.kinds, d.lengths, d.step_seconds, d.expected_tokens)
+        else:
+            plan = _plan(rows, allowed, costs)
+        if best is None or plan[0] > best[0] * (1 + 1e-12):
+            best = plan
     theta, kinds, lens, t, tokens = best
     return Decision(kinds, lens, costs["b"] * theta, theta, t, tokens)
 
 
+def needs_plain_probe(decision: Decision, rows: Sequence[RowOptions], costs: dict,
+                      plain_obs: int, min_plain: int = 4, margin: float = 1.3) -> bool:
+    """Whether to run a plain step instead of ``decision`` to measure ``a`` apart from ``g``.
+
+    When every recent step verified drafts, the step fit only knows ``a + g`` and
+    falls back on the prior for the split; a wrong split biases every later choice
+    between drafting and plain decoding. A probe is worth its cost only when the
+    choice is close: the decision drafts, no request is forced to draft
+    (exploration), fewer than ``min_plain`` plain steps are in the cost model's window
+    and the plan's predicted throughput is below ``margin`` × plain decoding's.
+
+    Args:
+        decision: :func:`decide`'s choice for this step.
+        rows: the same rows.
+        costs: the same costs.
+        plain_obs: :meth:`CostModel.plain_observations`.
+    Returns:
+        True: take :func:`plain_decision` this step.
+    """
+    if not rows or not any(decision.lengths) or any(r.forced is not None for r in rows):
+        return False
+    if plain_obs >= min_plain:
+        return False
+    return decision.throughput < margin * len(rows) / costs["a"]
+
+
 def expected_tokens_per_second(cums: Sequence[np.ndarray], costs: dict, *, forward_rows: int = 0,
                                fused_rows: int = 0) -> float:
-    """``(R + Σ cum) / (a + b·D + fixed)`` for given chains (``D`` = their total length);
-    the arithmetic :func:`decide` maximises, exposed for reports and tests."""
+    """``(R + Σ cum) / T`` for given chains (``D`` = their total length, ``T`` as in the
+    module doc); the arithmetic :func:`decide` maximises, exposed for reports and tests."""
     R = len(cums)
     D = sum(len(c) for c in cums)
-    t = costs["a"] + costs["b"] * D
-    if forward_rows:
-        t += costs["f0"] + costs["f1"] * forward_rows
-    if fused_rows:
-        t += costs["h0"] + costs["h1"] * fused_rows
+    t = _step_seconds(costs, D, forward_rows, fused_rows)
     return (R + float(sum(float(np.sum(c)) for c in cums))) / t
 
 

@@ -63,8 +63,11 @@ from vllm_tokenswift.penalty import window_from_params
 logger = logging.getLogger("vllm_tokenswift")
 
 #: adaptive policy: a request tries the draft forward / fused heads at least once
-#: every this many of its steps (deterministic exploration)
+#: every this many of its steps (deterministic exploration) ...
 EXPLORE_EVERY = 48
+#: ... a gap that doubles after every forced try the policy did not then take up
+#: voluntarily, up to this many steps (an option that never pays costs ever less)
+EXPLORE_MAX = 768
 #: tensor parallelism: rank 0's cost model is broadcast every this many steps
 COST_SYNC_EVERY = 16
 #: n-gram chains are built down to this cumulative frequency (the policy cuts them)
@@ -98,6 +101,7 @@ class _RequestState:
     acceptance: dict = field(default_factory=dict)     # policy.AcceptanceModel.new_request()
     steps: int = 0
     tried: dict = field(default_factory=dict)          # kind -> step it was last taken
+    explore_gap: int = EXPLORE_EVERY                    # steps between forced tries
     q_row: int = -1          # row of this request in the last draft forward's captured queries
     q_step: int = -1         # step id of that capture
     pen_counts: torch.Tensor | None = None              # [V] int32: tokens in the penalty history
@@ -107,6 +111,15 @@ class _RequestState:
     @property
     def sampled(self) -> bool:
         return self.temperature > 1e-5
+
+    def took(self, kind: str, forced: bool) -> None:
+        """Book that the request took option ``kind`` this step: the adaptive policy's
+        exploration gap doubles after a forced try of the draft forward or the fused
+        heads (up to :data:`EXPLORE_MAX`) and resets to :data:`EXPLORE_EVERY` when the
+        policy chose one of them on its own."""
+        self.tried[kind] = self.steps
+        if kind in (pol.FORWARD, pol.FUSED):
+            self.explore_gap = min(2 * self.explore_gap, EXPLORE_MAX) if forced else EXPLORE_EVERY
 
 
 @dataclass
@@ -402,7 +415,12 @@ class TokenSwiftProposer:
         else:
             if self.tp_size > 1 and self._step % COST_SYNC_EVERY == 1:
                 self.costs.load_state(tp_broadcast_from_rank0(self.costs.state()))
-            dec = pol.decide(options, self.costs.costs())
+            costs = self.costs.costs()
+            dec = pol.decide(options, costs)
+            if cfg.policy == "adaptive" and pol.needs_plain_probe(
+                    dec, options, costs, self.costs.plain_observations()):
+                dec = pol.plain_decision(options, costs)
+                self.stats.plain_probes += 1
             self.last_decision = dec
             kinds, threshold = dec.kinds, dec.threshold
         by_kind: dict[str, list[int]] = {k: [] for k in pol.KINDS}
@@ -431,7 +449,7 @@ class TokenSwiftProposer:
             out[r.batch_row] = toks
             st = r.state
             st.last = _Proposal(kind, list(srcs), list(confs), st.sampled and j in q_rows)
-            st.tried[kind] = st.steps
+            st.took(kind, r.forced)
             self.stats.record_chain(list(srcs), kind)
             if kind in (pol.FUSED, pol.NGRAM):
                 self.stats.drafts_skipped_forward += 1
@@ -457,7 +475,7 @@ class TokenSwiftProposer:
                 forced = pol.NGRAM if pol.NGRAM in cums else pol.NONE
         elif self.cfg.policy == "adaptive" and st.steps > 2:
             for kind in (pol.FORWARD, pol.FUSED):
-                if kind in cums and st.steps - st.tried.get(kind, 0) >= EXPLORE_EVERY:
+                if kind in cums and st.steps - st.tried.get(kind, 0) >= st.explore_gap:
                     forced = kind
                     break
         return pol.RowOptions(cums, forced)
@@ -667,13 +685,32 @@ class TokenSwiftProposer:
             chains[idx[k]] = ch
 
     def _draw(self, st: _RequestState, probs: torch.Tensor) -> list[int]:
-        """One token per depth from ``probs`` ``[depth, V]`` with the request's own RNG
-        (seeded by its ``seed``, else by the engine seed and its id): reproducible per
-        request, independent of the batch, identical on every tensor-parallel rank."""
+        """One token per depth from ``probs`` ``[depth, V]`` (float, rows summing to ~1)
+        with the request's own RNG (seeded by its ``seed``, else by the engine seed and
+        its id): reproducible per request, independent of the batch, identical on every
+        tensor-parallel rank.
+
+        Inverse-CDF sampling: one uniform ``u`` per depth from the request's generator,
+        the token is the first whose float64 cumulative probability exceeds ``u·total``
+        (``searchsorted``, right side, so a zero-probability token is never drawn). It
+        costs one cumulative sum over the vocabulary instead of ``torch.multinomial``'s
+        generic path; rows without positive mass fall back to ``torch.multinomial``
+        (which raises its usual error on invalid rows).
+
+        Returns:
+            ``depth`` token ids.
+        """
         if st.generator is None or st.generator.device != probs.device:
             st.generator = torch.Generator(device=probs.device)
             st.generator.manual_seed(st.seed)
-        return torch.multinomial(probs, 1, generator=st.generator).view(-1).tolist()
+        depth = probs.shape[0]
+        cdf = probs.to(torch.float64).cumsum(dim=-1)
+        total = cdf[:, -1:]
+        if not bool(torch.all(total > 0)):
+            return torch.multinomial(probs, 1, generator=st.generator).view(-1).tolist()
+        u = torch.rand((depth, 1), generator=st.generator, dtype=torch.float64, device=probs.device)
+        tok = torch.searchsorted(cdf, u * total, right=True).clamp_(max=probs.shape[-1] - 1)
+        return tok.view(-1).tolist()
 
     def _set_draft_probs(self, runner, rows, out, q_rows, device, vocab: int) -> None:
         """Give vLLM's rejection sampler the draft distributions q of sampled drafts.
