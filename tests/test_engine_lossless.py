@@ -122,12 +122,11 @@ def test_view_reselected_and_drafts_counted(request, runs_name):
     n_req = 3 * len(PROMPT_LENS)
     # every request outgrows the 256-token budget many times over
     assert stats["view_selections"] >= 3 * n_req
-    if runs_name == "llama_runs":   # policy "paper": a draft forward every step
-        assert stats["views_budgeted"] > stats["views_full"]
-    else:
-        # policy "cycle": a re-selection waits for the request's next draft forward (it needs
-        # that forward's queries), and the draft forwards in between read the whole context
-        assert stats["views_budgeted"] > 0
+    # policy "paper" (a draft forward every step) and "cycle" (a draft forward every 4th step
+    # of each request, requests out of phase): a request that needs a selection drafts over
+    # its whole context once and is selected from that forward's own queries, so budgeted
+    # views dominate either way
+    assert stats["views_budgeted"] > 10 * stats["views_full"]
     assert stats["key_layout"] is not None
     assert stats["skipped_no_slot"] == 0
     assert stats["num_live_requests"] <= 1  # per-request state freed: only the probe may be live

@@ -202,7 +202,11 @@ def extend_chain(chain: Chain, context: list[int], table: NGramTable, max_len: i
     Args:
         cum: the estimate ``Π q_i`` of the chain so far (1.0 for an empty chain).
         prob: draft distributions for depths below ``num_dists`` (mixed in with λ).
+    Each appended token adds its estimate to ``expected_len`` (``+= Π q_i``) and, when
+    the chain keeps one confidence per token (``len(confs) == len(tokens)``), its own
+    ``q_i`` to ``confs``.
     """
+    track = len(chain.confs) == len(chain.tokens)
     ext_ctx = list(context[-(table.n - 1):]) + chain.tokens
     while len(chain.tokens) < max_len:
         nxt = table.best_next(ext_ctx)
@@ -219,6 +223,8 @@ def extend_chain(chain: Chain, context: list[int], table: NGramTable, max_len: i
         chain.expected_len += cum
         chain.tokens.append(tok)
         chain.sources.append(SOURCE_NGRAM)
+        if track:
+            chain.confs.append(f)
         ext_ctx.append(tok)
     return chain
 
@@ -227,24 +233,7 @@ def ngram_chain(context: list[int], table: NGramTable, max_len: int, min_conf: f
     """Chain from the n-gram table alone (no draft forward): the most frequent
     continuation of the last ``n-1`` tokens, repeatedly, while ``Π f_i >= min_conf``.
     ``expected_len`` is ``Σ_j Π_{i<=j} f_i``; ``confs`` holds each ``f_i``."""
-    chain = Chain([], [], 0.0)
-    m = table.n - 1
-    ext = list(context[-m:])
-    cum = 1.0
-    while len(chain.tokens) < max_len:
-        nxt = table.best_next(ext)
-        if nxt is None:
-            break
-        tok, f = nxt
-        if cum * f < min_conf:
-            break
-        cum *= f
-        chain.expected_len += cum
-        chain.tokens.append(tok)
-        chain.sources.append(SOURCE_NGRAM)
-        chain.confs.append(f)
-        ext.append(tok)
-    return chain
+    return extend_chain(Chain([], [], 0.0), context, table, max_len, min_conf)
 
 
 # ------------------------------------------------------------------ fast path (adaptive policy)

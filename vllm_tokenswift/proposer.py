@@ -550,6 +550,8 @@ class TokenSwiftProposer:
         for k, r in enumerate(sel):
             r.state.q_row, r.state.q_step = k, self._step
         self._last_fwd_step = self._step
+        self._select_after_forward(runner, [r.batch_row for r in sel], [r.state for r in sel],
+                                   [r.pos for r in sel], plans)
         if self.cfg.policy == "paper":
             self._paper_chains(rows, idx, logits, chains, q_rows)
         else:
@@ -560,34 +562,17 @@ class TokenSwiftProposer:
         self.costs.observe_forward(dt, len(sel))
 
     def _plan_views(self, runner, rows, states, positions) -> list:
-        """Plan every drafting request's view, (re-)selecting those that need it.
-
-        Under tensor parallelism the importances of all re-selected requests are summed
-        over the TP ranks in one collective before the top-k (:func:`sum_over_ranks`),
-        so all ranks select the same blocks, the ones single-rank TokenSwift would
-        select. Whether a request re-selects depends only on positions and step
-        counters, identical on all ranks, so every rank reaches the collective (none
-        when nothing re-selects, and none at all with one rank).
-        """
+        """Plan every drafting request's view, (re-)selecting those that need it and
+        still hold their own queries from the latest draft forward (a request whose
+        queries are gone drafts over its whole context this time and is selected right
+        after, by :meth:`_select_after_forward`)."""
         planner = self._planner
         plans = [planner.plan(st.view, p) for st, p in zip(states, positions)]
-        todo, imps = [], []
-        bt_np = runner.input_batch.block_table[0].block_table.np
-        s = planner.sink_blocks
-        for r, (i, st, p, plan) in enumerate(zip(rows, states, positions, plans)):
-            # the queries held are the latest draft forward's; this request's row in it
-            # (possibly a few steps old when other options ran in between) scores its blocks
-            if plan.needs_selection and st.q_step == self._last_fwd_step and st.q_row >= 0 \
-                    and self.access.has_queries:
-                todo.append(r)
-                last = p // self.block_size
-                imps.append(self.access.importance(bt_np[i, s:last] if last > s else np.zeros(0, np.int64),
-                                                   st.q_row, planner.num_groups))
-        if todo and self.tp_size > 1:
-            imps = sum_over_ranks(imps, tp_all_gather)
-        for r, imp in zip(todo, imps):
-            planner.select(states[r].view, positions[r], imp)
-            self.stats.view_selections += 1
+        ready = [r for r, (st, plan) in enumerate(zip(states, plans))
+                 if plan.needs_selection and st.q_step == self._last_fwd_step and st.q_row >= 0
+                 and self.access.has_queries]
+        self._select(runner, rows, states, positions, ready, [states[r].q_row for r in ready])
+        for r in ready:
             plans[r] = planner.plan(states[r].view, positions[r])
         for plan in plans:
             if plan.full:
@@ -595,6 +580,42 @@ class TokenSwiftProposer:
             else:
                 self.stats.views_budgeted += 1
         return plans
+
+    def _select_after_forward(self, runner, rows, states, positions, plans) -> None:
+        """(Re-)select the views of the requests that drafted over their whole context
+        because they needed a selection, from the queries this draft forward just
+        captured (row k of the forward is request k): the next draft forward of each
+        reads its budgeted view, whatever other requests drafted in between."""
+        late = [k for k, plan in enumerate(plans) if plan.needs_selection]
+        if late and self.access.has_queries:
+            self._select(runner, rows, states, positions, late, late)
+
+    def _select(self, runner, rows, states, positions, which, q_rows) -> None:
+        """Select the views of requests ``which`` (indices into ``rows``/``states``/
+        ``positions``) from block importances (paper Sec 3.3, Eq. 2 per block) scored with
+        row ``q_rows[j]`` of the latest draft forward's queries.
+
+        Under tensor parallelism the importances are summed over the TP ranks in one
+        collective before the top-k (:func:`sum_over_ranks`), so all ranks select the
+        same blocks, the ones single-rank TokenSwift would select. Which requests select
+        depends only on positions and step counters, identical on all ranks, so every
+        rank reaches the collective (none when nothing selects, none with one rank).
+        """
+        if not which:
+            return
+        planner = self._planner
+        bt_np = runner.input_batch.block_table[0].block_table.np
+        s = planner.sink_blocks
+        imps = []
+        for r, q_row in zip(which, q_rows):
+            last = positions[r] // self.block_size
+            blocks = bt_np[rows[r], s:last] if last > s else np.zeros(0, np.int64)
+            imps.append(self.access.importance(blocks, q_row, planner.num_groups))
+        if self.tp_size > 1:
+            imps = sum_over_ranks(imps, tp_all_gather)
+        for r, imp in zip(which, imps):
+            planner.select(states[r].view, positions[r], imp)
+            self.stats.view_selections += 1
 
     # ----------------------------------------------------------------- chains
     def _chains_from_logits(self, rows, idx, logits, chains, q_rows, threshold, source, tree,
@@ -669,7 +690,7 @@ class TokenSwiftProposer:
                 ch = Chain(list(draws), [SOURCE_HEADS] * depth, float(depth), [1.0] * depth)
                 if st.ngrams is not None and cfg.ngram_topk > 0:
                     extend_chain(ch, r.context, st.ngrams, r.room, cfg.ngram_min_conf)
-                    ch.confs += [1.0] * (len(ch.tokens) - len(ch.confs))
+                    ch.confs = [1.0] * len(ch.tokens)
                 chains[idx[k]] = ch.truncate(min(len(ch.tokens), r.room))
                 q_rows[idx[k]] = (probs[k], list(range(depth)))
                 continue
