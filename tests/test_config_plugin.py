@@ -268,3 +268,61 @@ def test_draft_free_steps_take_the_plain_sampler():
     sample(other, "logits", none_)
     sample(ts, "logits", None)
     assert calls == [None, some, none_, None]
+
+
+def test_draft_ids_travel_with_the_step_output():
+    """``draft-ids-in-output``: a TokenSwift runner tags a copy of its output with the step's
+    draft ids (request ids frozen); the scheduler keeps them and post_step hands them over
+    without the executor RPC. Untagged outputs (other engines, async scheduling, empty
+    steps) leave post_step to vLLM."""
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+
+    from vllm_tokenswift import patches
+
+    patch = next(p for p in plugin.PATCHES if p.name == "draft-ids-in-output")
+    assert patches.RECORDS[patch.name].status == "applied"
+    live_ids = ["a", "b"]
+    calls = []
+    out = ModelRunnerOutput(req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1})
+    empty = ModelRunnerOutput(req_ids=[], req_id_to_index={})
+    orig = {
+        "vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens": lambda self, g: self.out,
+        "vllm.v1.core.sched.scheduler:Scheduler.update_from_output":
+            lambda self, so, mro: calls.append(("update", so)) or {},
+        "vllm.v1.engine.core:EngineCore.post_step": lambda self, ex: calls.append(("rpc", ex)),
+    }
+    fns = plugin._patch_drafts_in_output(orig)
+    sample = fns["vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens"]
+    update = fns["vllm.v1.core.sched.scheduler:Scheduler.update_from_output"]
+    post = fns["vllm.v1.engine.core:EngineCore.post_step"]
+    ts_spec = SimpleNamespace(method="custom_class", model=PROPOSER_CLASS_PATH)
+
+    def runner(spec, o, async_=False):
+        return SimpleNamespace(speculative_config=spec, use_async_scheduling=async_, out=o,
+                               take_draft_token_ids=lambda: DraftTokenIds(live_ids, [[5, 6], []]))
+
+    tagged = sample(runner(ts_spec, out), None)
+    assert tagged is not out and not hasattr(out, plugin._DRAFTS_ATTR)   # a copy is tagged
+    drafts = getattr(tagged, plugin._DRAFTS_ATTR)
+    live_ids.append("c")                                                 # the runner's list moves on
+    assert drafts.req_ids == ["a", "b"] and drafts.draft_token_ids == [[5, 6], []]
+    ngram_spec = SimpleNamespace(method="ngram", model=None)
+    assert sample(runner(ngram_spec, out), None) is out
+    assert sample(runner(ts_spec, out, async_=True), None) is out
+    assert sample(runner(ts_spec, empty), None) is empty
+
+    got = []
+    sched = SimpleNamespace(update_draft_token_ids=got.append)
+    core = SimpleNamespace(scheduler=sched, check_for_draft_tokens=True, async_scheduling=False)
+    update(sched, "so1", tagged)
+    post(core, True)
+    assert got == [drafts] and calls == [("update", "so1")]              # no RPC
+    update(sched, "so2", out)                                            # untagged: vLLM's path
+    post(core, True)
+    assert got == [drafts] and calls[-1] == ("rpc", True)
+    none_tag = sample(SimpleNamespace(speculative_config=ts_spec, use_async_scheduling=False, out=out,
+                                      take_draft_token_ids=lambda: None), None)
+    update(sched, "so3", none_tag)                                       # no drafts this step
+    n = len(calls)
+    post(core, True)
+    assert got == [drafts] and len(calls) == n                          # and no RPC either

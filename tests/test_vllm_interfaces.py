@@ -53,7 +53,8 @@ def test_proposer_interfaces_exist_with_expected_signatures():
 def test_every_tokenswift_patch_is_active_here():
     assert plugin.runner_patch_active()
     plugin.require_patches()
-    assert set(plugin.required_patch_names()) == {p.name for p in plugin.PATCHES} - {"api-server-metrics", "draft-free-sampling"}
+    optional = {"api-server-metrics", "draft-free-sampling", "draft-ids-in-output"}
+    assert set(plugin.required_patch_names()) == {p.name for p in plugin.PATCHES} - optional
 
 
 def test_static_checker_agrees_on_the_installed_sources():

