@@ -69,3 +69,22 @@ def test_cond_prob_and_best_next():
 def test_invalid_order():
     with pytest.raises(ValueError):
         NGramTable(1)
+
+
+def test_recent_next_follows_the_latest_occurrence_of_the_long_context():
+    """``recent_next``: the token after the latest earlier occurrence of the last ``long_n``
+    tokens, with the n-gram conditional frequency of that token; None for an unseen long
+    context, a short context or ``long_n`` 0."""
+    t = NGramTable(3, long_n=4)
+    # 1 2 3 4 is followed by 5 twice, then by 9 (the latest); (3, 4) alone is followed by
+    # 5 twice and 9 once
+    t.extend([1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 9, 0])
+    assert t.best_next([3, 4]) == (5, pytest.approx(2 / 3))
+    assert t.recent_next([0, 1, 2, 3, 4]) == (9, pytest.approx(1 / 3))
+    assert t.after[(1, 2, 3, 4)] == 16 and t.tokens[16] == 9
+    assert t.recent_next([7, 2, 3, 4]) is None          # these 4 tokens never occurred
+    assert t.recent_next([3, 4]) is None                # shorter than long_n
+    assert t.recent_next([2, 3, 4, 9, 0]) is None        # occurred, but as the newest tokens only
+    assert NGramTable(3, long_n=0).recent_next([1, 2, 3, 4]) is None
+    with pytest.raises(ValueError, match="long_n"):
+        NGramTable(4, long_n=3)

@@ -195,21 +195,25 @@ def select_chain(context: list[int], tree_tokens: Sequence[Sequence[int]],
 
 def extend_chain(chain: Chain, context: list[int], table: NGramTable, max_len: int, min_conf: float,
                  cum: float = 1.0, prob: Callable[[int, int], float | None] | None = None,
-                 num_dists: int = 0, mix: float = DEFAULT_MIX) -> Chain:
+                 num_dists: int = 0, mix: float = DEFAULT_MIX, recent: bool = False) -> Chain:
     """Append the table's most frequent continuations to ``chain`` (in place) while the
     cumulative acceptance estimate stays >= ``min_conf``, up to ``max_len`` tokens.
 
     Args:
         cum: the estimate ``Π q_i`` of the chain so far (1.0 for an empty chain).
         prob: draft distributions for depths below ``num_dists`` (mixed in with λ).
+        recent: prefer the continuation of the latest earlier occurrence of the last
+            ``table.long_n`` tokens (:meth:`NGramTable.recent_next`; ``context`` must then
+            hold that many tokens) over the most frequent n-gram continuation.
     Each appended token adds its estimate to ``expected_len`` (``+= Π q_i``) and, when
     the chain keeps one confidence per token (``len(confs) == len(tokens)``), its own
     ``q_i`` to ``confs``.
     """
     track = len(chain.confs) == len(chain.tokens)
-    ext_ctx = list(context[-(table.n - 1):]) + chain.tokens
+    keep = max(table.n - 1, table.long_n if recent else 0)
+    ext_ctx = list(context[-keep:]) + chain.tokens
     while len(chain.tokens) < max_len:
-        nxt = table.best_next(ext_ctx)
+        nxt = (table.recent_next(ext_ctx) if recent else None) or table.best_next(ext_ctx)
         if nxt is None:
             break
         tok, f = nxt
@@ -230,10 +234,13 @@ def extend_chain(chain: Chain, context: list[int], table: NGramTable, max_len: i
 
 
 def ngram_chain(context: list[int], table: NGramTable, max_len: int, min_conf: float) -> Chain:
-    """Chain from the n-gram table alone (no draft forward): the most frequent
-    continuation of the last ``n-1`` tokens, repeatedly, while ``Π f_i >= min_conf``.
-    ``expected_len`` is ``Σ_j Π_{i<=j} f_i``; ``confs`` holds each ``f_i``."""
-    return extend_chain(Chain([], [], 0.0), context, table, max_len, min_conf)
+    """Chain from the n-gram table alone (no draft forward): repeatedly, the token that
+    followed the latest earlier occurrence of the last ``table.long_n`` tokens, else the
+    most frequent continuation of the last ``n-1`` tokens, while ``Π f_i >= min_conf``
+    (``f_i``: the n-gram conditional frequency of the token taken). ``expected_len`` is
+    ``Σ_j Π_{i<=j} f_i``; ``confs`` holds each ``f_i``. ``context``: the request's tokens
+    up to the newest (at least the last ``max(n-1, long_n)``)."""
+    return extend_chain(Chain([], [], 0.0), context, table, max_len, min_conf, recent=True)
 
 
 # ------------------------------------------------------------------ fast path (adaptive policy)

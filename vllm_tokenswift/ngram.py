@@ -12,7 +12,12 @@ accepted. It answers three questions in O(1) or O(k):
   given (n-1)-token context, ``count(ctx + tok) / count(ctx + *)``; the chain
   selector uses it as the n-gram predictor's acceptance estimate;
 * :meth:`NGramTable.best_next` — the most frequent continuation of an
-  (n-1)-token context, used to extend a chain past the heads' depth.
+  (n-1)-token context, used to extend a chain past the heads' depth;
+* :meth:`NGramTable.recent_next` — the token that followed the most recent
+  earlier occurrence of the last ``long_n`` tokens (a longer context than the
+  n-gram's, as prompt-lookup and suffix decoding match): where text repeats with
+  branches that the (n-1)-token context cannot tell apart, the longer match
+  follows the branch taken last time (O(1), one dict entry per token).
 
 All state is plain Python (dicts and lists of ints); no tensors.
 """
@@ -20,6 +25,10 @@ All state is plain Python (dicts and lists of ints); no tensors.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+
+
+#: default length of the context :meth:`NGramTable.recent_next` matches
+DEFAULT_LONG_N = 8
 
 
 class _SortedByCount:
@@ -65,16 +74,29 @@ class NGramTable:
 
     Args:
         n: n-gram order (paper: 4).
+        long_n: context length :meth:`recent_next` matches (default
+            ``max(DEFAULT_LONG_N, n)``; 0: off).
 
-    Memory: O(number of distinct n-grams) Python objects, about 0.3 KB each.
+    Raises:
+        ValueError: ``n < 2``, or ``long_n`` neither 0 nor ``>= n``.
+
+    Memory: O(number of distinct n-grams) Python objects, about 0.3 KB each, plus
+    one dict entry per token for :meth:`recent_next`.
     """
 
-    __slots__ = ("n", "tokens", "counts", "ctx_counts", "ctx_best", "by_first")
+    __slots__ = ("n", "long_n", "tokens", "counts", "ctx_counts", "ctx_best", "by_first", "after")
 
-    def __init__(self, n: int = 4):
+    def __init__(self, n: int = 4, long_n: int | None = None):
         if n < 2:
             raise ValueError(f"n-gram order must be >= 2, got {n}")
+        if long_n is None:
+            long_n = max(DEFAULT_LONG_N, n)
+        if long_n and long_n < n:
+            raise ValueError(f"long_n must be 0 (off) or >= n = {n}, got {long_n}")
         self.n = n
+        self.long_n = long_n
+        # last long_n tokens -> index of the token that followed their latest occurrence
+        self.after: dict[tuple[int, ...], int] = {}
         self.tokens: list[int] = []
         self.counts: dict[tuple[int, ...], int] = {}
         # (n-1)-gram context -> number of n-grams with that context
@@ -95,9 +117,13 @@ class NGramTable:
     def extend(self, new_tokens: Iterable[int]) -> None:
         """Append tokens and count every n-gram they complete (O(1) per token)."""
         n = self.n
+        L = self.long_n
         toks = self.tokens
         counts = self.counts
+        after = self.after
         for t in new_tokens:
+            if L and len(toks) >= L:
+                after[tuple(toks[-L:])] = len(toks)   # the token appended now follows them
             toks.append(int(t))
             if len(toks) < n:
                 continue
@@ -160,6 +186,20 @@ class NGramTable:
         if not total:
             return 0.0
         return self.counts.get(ctx + (int(token),), 0) / total
+
+    def recent_next(self, context: Sequence[int]) -> tuple[int, float] | None:
+        """The token that followed the latest earlier occurrence of ``context[-long_n:]``
+        in the indexed tokens, with its n-gram conditional frequency
+        (:meth:`cond_prob`, the estimate the chain's calibration is keyed by); None when
+        those ``long_n`` tokens never occurred with a successor (or ``long_n`` is 0)."""
+        L = self.long_n
+        if not L or len(context) < L:
+            return None
+        j = self.after.get(tuple(context[-L:]))
+        if j is None:
+            return None
+        tok = self.tokens[j]
+        return tok, self.cond_prob(context, tok)
 
     def best_next(self, context: Sequence[int]) -> tuple[int, float] | None:
         """Most frequent continuation of ``context[-(n-1):]`` and its conditional frequency."""

@@ -131,7 +131,7 @@ class _Row:
     state: _RequestState
     pos: int                  # position of the newest token x
     room: int                 # most draft tokens that fit before max_model_len
-    context: list             # last n-1 tokens up to x (for n-grams)
+    context: list             # last max(n-1, long_n) tokens up to x (for n-grams)
     ngram: Chain | None = None
     verify_index: int = -1    # flat token index of h_{p-1} in this step's verification forward
     forced: bool = False      # the policy must give this row at least one draft (exploration)
@@ -376,7 +376,7 @@ class TokenSwiftProposer:
             if p // bs >= nblk[i]:
                 self.stats.skipped_no_slot += 1
                 continue
-            m = st.ngrams.n - 1 if st.ngrams is not None else 1
+            m = max(st.ngrams.n - 1, st.ngrams.long_n) if st.ngrams is not None else 1
             ctx = ib.token_ids_cpu[i, max(0, p + 1 - m): p + 1].tolist()
             rows.append(_Row(i, rid, st, p, room, ctx, verify_index=int(qsl[i + 1]) - 1 - (k - a)))
         # the step that just ran verified what we proposed last step: its cost (outside
