@@ -114,6 +114,23 @@ def test_acceptance_counts_and_shrinkage():
     assert am.probs(am.new_request(), "forward")[0] == pytest.approx(am.initial["forward"])
 
 
+def test_acceptance_engine_figures_are_kept_per_group():
+    """Greedy traffic must not teach sampled requests that drafting pays (one engine
+    serving both: the demo's greedy run then its sampled run)."""
+    am = pol.AcceptanceModel(depth=4, prior_weight=4.0)
+    for _ in range(200):
+        am.record(am.new_request("greedy"), "forward", num_verified=4, num_accepted=4)
+    assert am.engine_probs("forward", "greedy")[0] > 0.98
+    # a new sampled request still starts from the initial prior, not the greedy figure
+    fresh = am.new_request("sampled")
+    assert am.probs(fresh, "forward").tolist() == pytest.approx([am.initial["forward"]] * 4)
+    for _ in range(200):
+        am.record(am.new_request("sampled"), "forward", num_verified=4, num_accepted=0)
+    assert am.engine_probs("forward", "sampled")[0] < 0.02
+    assert am.engine_probs("forward", "greedy")[0] > 0.98   # untouched by sampled traffic
+    assert am.cumulative(am.new_request("greedy"), "forward", 2)[1] > 0.95
+
+
 def test_depth_counts_reached_and_accepted():
     dc = pol.DepthCounts(depth=4, decay=1.0)
     dc.update(4, 2)   # positions 0, 1 accepted, 2 rejected, 3 not reached

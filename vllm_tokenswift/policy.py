@@ -40,7 +40,7 @@ for one plain step.
 **Acceptance** (:class:`AcceptanceModel`). Per option and per draft position j,
 the probability that draft j is accepted given that drafts ``0..j-1`` were
 (``reached``/``accepted`` counts with exponential decay), per request, shrunk
-towards the engine-wide figure (a Beta-style prior of :attr:`prior_weight`
+towards the engine-wide figure of the request's group, greedy or sampled (a Beta-style prior of :attr:`prior_weight`
 pseudo-observations). Before the chain exists (deciding whether to run a
 forward) these per-position means predict the chain; once the chain exists, a
 per-token calibration (:class:`Calibration`: acceptance by source, position and
@@ -293,6 +293,12 @@ def shrunk(acc: np.ndarray, reach: np.ndarray, prior: np.ndarray, weight: float)
 class AcceptanceModel:
     """Per-option, per-position conditional acceptance: engine-wide and per request.
 
+    The engine-wide figures are kept apart per request *group* (the proposer uses
+    ``"greedy"`` and ``"sampled"``): a greedy request accepts an option's drafts far
+    more often than a sampled one, so one engine-wide figure learnt on greedy traffic
+    would tell a sampled request that drafting pays (seen in the demo: one engine,
+    a greedy run then a sampled one, draft forward on half the sampled steps).
+
     Args:
         depth: positions tracked (``num_speculative_tokens``).
         prior_weight: pseudo-observations of the engine-wide figure in a request's
@@ -304,30 +310,43 @@ class AcceptanceModel:
     depth: int
     prior_weight: float = 8.0
     initial: dict = field(default_factory=lambda: {FORWARD: 0.6, FUSED: 0.4, NGRAM: 0.5})
-    engine: dict = field(init=False)
+    engine: dict = field(init=False)      # group -> option -> DepthCounts
 
     def __post_init__(self) -> None:
-        self.engine = {k: DepthCounts(self.depth) for k in DRAFT_KINDS}
+        self.engine = {}
 
-    def new_request(self) -> dict:
-        """Fresh per-request counts (keep them in the request's state)."""
-        return {k: DepthCounts(self.depth, decay=0.98) for k in DRAFT_KINDS}
+    def _group(self, group: str) -> dict:
+        g = self.engine.get(group)
+        if g is None:
+            g = self.engine[group] = {k: DepthCounts(self.depth) for k in DRAFT_KINDS}
+        return g
+
+    def new_request(self, group: str = "all") -> dict:
+        """Fresh per-request counts (keep them in the request's state); ``group`` names
+        the engine-wide figures this request learns from and contributes to."""
+        req: dict = {k: DepthCounts(self.depth, decay=0.98) for k in DRAFT_KINDS}
+        req["group"] = group
+        return req
 
     def record(self, req: dict, kind: str, num_verified: int, num_accepted: int) -> None:
-        if kind not in self.engine:
+        """Book one verification of ``kind``'s chain: ``num_verified`` drafts, of which
+        the first ``num_accepted`` were accepted."""
+        eng = self._group(req["group"])
+        if kind not in eng:
             return
-        self.engine[kind].update(num_verified, num_accepted)
+        eng[kind].update(num_verified, num_accepted)
         req[kind].update(num_verified, num_accepted)
 
-    def engine_probs(self, kind: str) -> np.ndarray:
-        e = self.engine[kind]
+    def engine_probs(self, kind: str, group: str = "all") -> np.ndarray:
+        """Engine-wide conditional acceptance per position of ``kind`` in ``group``."""
+        e = self._group(group)[kind]
         prior = np.full(self.depth, self.initial[kind])
         return shrunk(e.accepted, e.reached, prior, self.prior_weight)
 
     def probs(self, req: dict, kind: str) -> np.ndarray:
         """Conditional acceptance per position for this request and option."""
         r = req[kind]
-        return shrunk(r.accepted, r.reached, self.engine_probs(kind), self.prior_weight)
+        return shrunk(r.accepted, r.reached, self.engine_probs(kind, req["group"]), self.prior_weight)
 
     def cumulative(self, req: dict, kind: str, length: int) -> np.ndarray:
         """``cum_j`` = P(first j+1 drafts accepted), ``j < length``."""

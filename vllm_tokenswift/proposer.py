@@ -274,7 +274,7 @@ class TokenSwiftProposer:
         req = runner.requests.get(req_id)
         sp = getattr(req, "sampling_params", None)
         ng = NGramTable(self.cfg.ngram_n) if self.cfg.ngram_topk > 0 else None
-        st = _RequestState(ngrams=ng, acceptance=self.acceptance.new_request())
+        st = _RequestState(ngrams=ng)
         if sp is not None:
             st.temperature = float(sp.temperature)
             st.min_p = float(sp.min_p or 0.0)
@@ -286,6 +286,8 @@ class TokenSwiftProposer:
                 # rank-independent and batch-independent: the engine seed and the request id
                 h = hashlib.sha256(f"{self.engine_seed}:{req_id}".encode()).digest()
                 st.seed = int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
+        # greedy and sampled requests learn from separate engine-wide acceptance figures
+        st.acceptance = self.acceptance.new_request("sampled" if st.sampled else "greedy")
         return st
 
     def tokenswift_stats(self) -> dict:
