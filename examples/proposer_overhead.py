@@ -71,7 +71,11 @@ def main() -> None:
             sp = SamplingParams(temperature=1.0, min_p=0.1, repetition_penalty=1.2, max_tokens=args.new_tokens,
                                 ignore_eos=True, extra_args={"repetition_penalty_window": 1024})
         for bs in bss:
-            prompts = [TokensPrompt(prompt_token_ids=ids[i * 97: i * 97 + args.prefix_len]) for i in range(bs)]
+            # each request starts 97 tokens further into the book (wrapping around), so no two
+            # prompts are the same and none is short
+            reps = -(-(bs * 97 + args.prefix_len) // len(ids))
+            book = ids * reps
+            prompts = [TokensPrompt(prompt_token_ids=book[i * 97: i * 97 + args.prefix_len]) for i in range(bs)]
             llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
             prop.stats.__init__()
             calls.update(n=0, t=0.0)

@@ -400,6 +400,20 @@ def test_step_breakdown_per_step_ms():
     assert ts["other_ms"] == pytest.approx(2.5)
 
 
+def test_step_breakdown_counts_plain_steps_from_the_decision_mix():
+    """With the adaptive policy most steps draft nothing: mean_accepted_length (1 +
+    accepted / drafting steps) would undercount the steps; the decision counts give
+    them all (two repeats of 300 request-steps at batch 2: 75 steps per request)."""
+    recs = [_rec("ar", 100.0, gen=100, b=2),
+            *[_rec("tokenswift", 50.0, gen=100, b=2, rep=i, mean_accepted_length=3.0, time_draft_s=0.2,
+                   time_verify_s=1.0, steps_by_kind={"forward": 20, "fused": 0, "ngram": 10, "none": 120})
+              for i in range(2)]]
+    rows = report.summarize(recs)
+    ts = next(b for b in report.step_breakdown(rows) if b["method"] == "tokenswift")
+    assert ts["tokens_per_step"] == pytest.approx(100 / 75)
+    assert ts["step_ms"] == pytest.approx(1000.0 * 4.0 / 75)   # 4 s wall (2 x 100 tokens at 50 tok/s)
+
+
 def test_default_gen_lens_cpu_and_gpu(monkeypatch):
     from vllm_tokenswift.bench import cli
 

@@ -81,14 +81,15 @@ def test_ngram_chain_takes_the_branch_the_long_context_took_last():
     """Text that repeats with a branch the 2-token n-gram context cannot tell apart:
     after (3, 4) came 5 twice and 9 once, but the last time the 4-token context
     (1, 2, 3, 4) occurred it was followed by 9 — the chain copies that branch and goes on
-    with what followed it; the n-gram confidences stay the conditional frequencies."""
+    with what followed it; each confidence is the larger of the n-gram frequency and the
+    long context's own record."""
     from vllm_tokenswift.chain import ngram_chain
 
     table = NGramTable(3, long_n=4)
     table.extend([1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 9, 0, 1, 2, 3, 4])
     ch = ngram_chain(table.tokens[-4:], table, max_len=3, min_conf=0.01)
     assert ch.tokens == [9, 0, 1]
-    assert ch.confs == pytest.approx([1 / 3, 1.0, 1.0])
+    assert ch.confs == pytest.approx([0.5, 1.0, 1.0])   # 9: the long context's record (1 + 1) / (2 + 2)
     # without the long index the most frequent continuation wins
     short = NGramTable(3, long_n=0)
     short.extend(table.tokens)

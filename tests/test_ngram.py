@@ -73,14 +73,19 @@ def test_invalid_order():
 
 def test_recent_next_follows_the_latest_occurrence_of_the_long_context():
     """``recent_next``: the token after the latest earlier occurrence of the last ``long_n``
-    tokens, with the n-gram conditional frequency of that token; None for an unseen long
+    tokens, with the larger of that token's n-gram conditional frequency and the long
+    context's own record; None for an unseen long
     context, a short context or ``long_n`` 0."""
     t = NGramTable(3, long_n=4)
     # 1 2 3 4 is followed by 5 twice, then by 9 (the latest); (3, 4) alone is followed by
     # 5 twice and 9 once
     t.extend([1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 9, 0])
     assert t.best_next([3, 4]) == (5, pytest.approx(2 / 3))
-    assert t.recent_next([0, 1, 2, 3, 4]) == (9, pytest.approx(1 / 3))
+    # (1, 2, 3, 4) recurred twice; "the branch taken last time" was taken again once
+    # (5 after 5), not the second time (9 after 5): record (1 + 1) / (2 + 2) beats the
+    # n-gram frequency 1/3
+    assert t.after_record[(1, 2, 3, 4)] == (2, 1)
+    assert t.recent_next([0, 1, 2, 3, 4]) == (9, pytest.approx(0.5))
     assert t.after[(1, 2, 3, 4)] == 16 and t.tokens[16] == 9
     assert t.recent_next([7, 2, 3, 4]) is None          # these 4 tokens never occurred
     assert t.recent_next([3, 4]) is None                # shorter than long_n
@@ -88,3 +93,21 @@ def test_recent_next_follows_the_latest_occurrence_of_the_long_context():
     assert NGramTable(3, long_n=0).recent_next([1, 2, 3, 4]) is None
     with pytest.raises(ValueError, match="long_n"):
         NGramTable(4, long_n=3)
+
+
+def test_recent_next_confidence_grows_with_an_exact_loop():
+    """A loop the 2-token n-gram context cannot tell apart (after (1, 2): 3, 4, 3, 4, ...
+    alternate at the same 2-token context), but whose 4-token context always repeats
+    its branch: the rule's record, not the n-gram frequency, gives the confidence."""
+    t = NGramTable(3, long_n=4)
+    loop = [1, 2, 3, 0, 1, 2, 4, 0]
+    t.extend(loop * 6)
+    tok, f = t.recent_next(t.tokens)
+    nxt = t.tokens[len(loop) * 6 - len(loop)]  # what followed the last occurrence
+    assert tok == nxt == 1
+    ctx_tok, ctx_f = t.recent_next(t.tokens + [1, 2])   # (0, 1, 2) ambiguous for n = 3
+    assert t.cond_prob([1, 2], ctx_tok) == pytest.approx(0.5, abs=0.1)
+    seen, hits = t.after_record[tuple((t.tokens + [1, 2])[-4:])]
+    assert hits == seen and seen >= 4
+    assert ctx_f == pytest.approx((hits + 1) / (seen + 2))
+    assert ctx_f > 0.8

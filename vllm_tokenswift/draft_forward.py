@@ -6,9 +6,10 @@ This is the only proposer code that touches vLLM's runner internals
 ``../shared/design/vllm-integration-notes.md`` §2-3):
 
 * :meth:`TargetAccess.attach` installs forward hooks on the target: on its final
-  norm (the pre-norm hidden state ``h_0`` the heads read, paper Sec 3.2) and a
+  norm (the pre-norm hidden state ``h_0`` the heads read, paper Sec 3.2); a
   pre-hook on every attention layer (the newest token's query, for block
-  importance, Sec 3.3). Hooks do nothing while a graph is being compiled
+  importance, Sec 3.3) is installed for the duration of each draft forward only,
+  so verification forwards keep PyTorch's hook-free module call path. Hooks do nothing while a graph is being compiled
   (``torch.compiler.is_compiling()``), so a compiled or CUDA-graph verification
   forward is unaffected; the draft forward always runs eagerly
   (``skip_compiled=True``) so its hooks fire.
@@ -70,7 +71,8 @@ class TargetAccess:
 
     # ----------------------------------------------------------------- set-up
     def attach(self, target_model) -> None:
-        """Install the final-norm hook and one query pre-hook per attention layer.
+        """Install the final-norm hook and find the attention layers (whose query
+        pre-hooks are installed for the duration of each draft forward).
 
         Raises:
             ValueError: the model has no ``model.norm`` or no attention layers.
@@ -88,8 +90,10 @@ class TargetAccess:
         if not names:
             raise ValueError("no attention layers found in the target model")
         self.layer_names = sorted(names, key=_layer_index)
-        for name in self.layer_names:
-            self._hooks.append(ctx[name].register_forward_pre_hook(self._make_attn_hook(name)))
+        # The query pre-hooks are installed around each draft forward only (see
+        # :meth:`_query_hooks`): a module with a hook takes PyTorch's slow call path,
+        # which every verification forward would otherwise pay for 30+ layers.
+        self._attn_modules = [ctx[name] for name in self.layer_names]
 
     def _norm_hook(self, module, inputs, output):
         if _compiling():
@@ -104,6 +108,13 @@ class TargetAccess:
             self._prenorm = pre
         else:
             self._verify_prenorm = pre
+
+    def _query_hooks(self) -> list:
+        """Install one query pre-hook per attention layer for the draft forward about to
+        run; returns the handles (the caller removes them when the forward is done)."""
+        mods = getattr(self, "_attn_modules", ())
+        return [m.register_forward_pre_hook(self._make_attn_hook(name))
+                for name, m in zip(self.layer_names, mods)]
 
     def _make_attn_hook(self, name: str):
         def hook(module, args):
@@ -188,12 +199,15 @@ class TargetAccess:
         if probe:
             self._probe_key = None
         self._in_draft = True
+        hooks = self._query_hooks()
         try:
             with set_forward_context(md, self.vllm_config, num_tokens=n, slot_mapping=sm,
                                      skip_compiled=True):
                 hidden = self.target(input_ids=ids.to(dev), positions=pos_d)
         finally:
             self._in_draft = False
+            for hk in hooks:
+                hk.remove()
         if probe:
             self._detect_layout(int(slot_t[0]))
         h = hidden if isinstance(hidden, torch.Tensor) else hidden[0]

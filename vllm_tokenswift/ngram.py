@@ -17,7 +17,9 @@ accepted. It answers three questions in O(1) or O(k):
   earlier occurrence of the last ``long_n`` tokens (a longer context than the
   n-gram's, as prompt-lookup and suffix decoding match): where text repeats with
   branches that the (n-1)-token context cannot tell apart, the longer match
-  follows the branch taken last time (O(1), one dict entry per token).
+  follows the branch taken last time (O(1), one dict entry per token). Its
+  confidence is the better of the n-gram frequency and the rule's own record for
+  that long context (how often "the branch taken last time" was taken again).
 
 All state is plain Python (dicts and lists of ints); no tensors.
 """
@@ -81,10 +83,11 @@ class NGramTable:
         ValueError: ``n < 2``, or ``long_n`` neither 0 nor ``>= n``.
 
     Memory: O(number of distinct n-grams) Python objects, about 0.3 KB each, plus
-    one dict entry per token for :meth:`recent_next`.
+    up to two dict entries per token for :meth:`recent_next`.
     """
 
-    __slots__ = ("n", "long_n", "tokens", "counts", "ctx_counts", "ctx_best", "by_first", "after")
+    __slots__ = ("n", "long_n", "tokens", "counts", "ctx_counts", "ctx_best", "by_first", "after",
+                 "after_record")
 
     def __init__(self, n: int = 4, long_n: int | None = None):
         if n < 2:
@@ -97,6 +100,10 @@ class NGramTable:
         self.long_n = long_n
         # last long_n tokens -> index of the token that followed their latest occurrence
         self.after: dict[tuple[int, ...], int] = {}
+        # last long_n tokens -> (repeats, hits): how often the context recurred after its
+        # first occurrence, and how often the token then equalled the one after the
+        # previous occurrence
+        self.after_record: dict[tuple[int, ...], tuple[int, int]] = {}
         self.tokens: list[int] = []
         self.counts: dict[tuple[int, ...], int] = {}
         # (n-1)-gram context -> number of n-grams with that context
@@ -121,10 +128,17 @@ class NGramTable:
         toks = self.tokens
         counts = self.counts
         after = self.after
+        record = self.after_record
         for t in new_tokens:
+            t = int(t)
             if L and len(toks) >= L:
-                after[tuple(toks[-L:])] = len(toks)   # the token appended now follows them
-            toks.append(int(t))
+                key = tuple(toks[-L:])
+                prev = after.get(key)
+                if prev is not None:
+                    seen, hits = record.get(key, (0, 0))
+                    record[key] = (seen + 1, hits + (toks[prev] == t))
+                after[key] = len(toks)   # the token appended now follows them
+            toks.append(t)
             if len(toks) < n:
                 continue
             gram = tuple(toks[-n:])
@@ -189,17 +203,25 @@ class NGramTable:
 
     def recent_next(self, context: Sequence[int]) -> tuple[int, float] | None:
         """The token that followed the latest earlier occurrence of ``context[-long_n:]``
-        in the indexed tokens, with its n-gram conditional frequency
-        (:meth:`cond_prob`, the estimate the chain's calibration is keyed by); None when
-        those ``long_n`` tokens never occurred with a successor (or ``long_n`` is 0)."""
+        in the indexed tokens, with a confidence in [0, 1] (the estimate the chain's
+        calibration is keyed by): the larger of its n-gram conditional frequency
+        (:meth:`cond_prob`) and, once those ``long_n`` tokens recurred, the rule's own
+        record for them, ``(hits + 1) / (repeats + 2)`` (``hits``: times the token after
+        a recurrence equalled the one after the occurrence before it). None when those
+        ``long_n`` tokens never occurred with a successor (or ``long_n`` is 0)."""
         L = self.long_n
         if not L or len(context) < L:
             return None
-        j = self.after.get(tuple(context[-L:]))
+        key = tuple(context[-L:])
+        j = self.after.get(key)
         if j is None:
             return None
         tok = self.tokens[j]
-        return tok, self.cond_prob(context, tok)
+        f = self.cond_prob(context, tok)
+        rec = self.after_record.get(key)
+        if rec is not None:
+            f = max(f, (rec[1] + 1) / (rec[0] + 2))
+        return tok, f
 
     def best_next(self, context: Sequence[int]) -> tuple[int, float] | None:
         """Most frequent continuation of ``context[-(n-1):]`` and its conditional frequency."""

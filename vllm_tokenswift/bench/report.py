@@ -421,12 +421,25 @@ def _series(rows: list[dict], field: str, skip_ar: bool = False) -> dict[str, li
     return {k: sorted(v) for k, v in ser.items()}
 
 
+def _steps_per_request(r: dict) -> float:
+    """Engine steps per request of a :func:`summarize` row (see :func:`step_breakdown`)."""
+    sbk = r.get("steps_by_kind")
+    total = sum(float(v or 0) for v in sbk.values()) if isinstance(sbk, dict) else 0.0
+    if total > 0:
+        return total / (max(1, int(r.get("batch_size") or 1)) * max(1, int(r.get("repeats") or 1)))
+    return r["gen_len"] / r["mean_accepted_length"]
+
+
 def step_breakdown(rows: list[dict]) -> list[dict]:
     """Per-step time split of TokenSwift settings, each preceded by AR's step at the same
     (sampling, batch_size, gen_len), from :func:`summarize` rows.
 
-    An engine step of a request advances it by ``mean_accepted_length`` tokens
-    (1 for AR), so steps = ``gen_len / mean_accepted_length``. Returns dicts with
+    Steps per request: where the row has the drafting policy's decision counts
+    (``steps_by_kind``, request-steps summed over the row's repeats), their total
+    divided by ``batch_size × repeats`` — every engine step, plain ones included;
+    otherwise ``gen_len / mean_accepted_length`` (which counts only steps that verified
+    a draft, so it is exact only when every step drafts). ``tokens_per_step`` is
+    ``gen_len`` over those steps. Returns dicts with
     ``method, sampling, batch_size, gen_len, tokens_per_step`` and ``step_ms``,
     ``draft_ms`` (proposer), ``verify_ms`` (the rest of the worker's step: target
     forward + rejection sampling; AR: the decode step), ``other_ms`` (wall time outside
@@ -449,12 +462,12 @@ def step_breakdown(rows: list[dict]) -> list[dict]:
             out.append({"method": "ar", "sampling": key[0], "batch_size": key[1], "gen_len": key[2],
                         "tokens_per_step": 1.0, "step_ms": step, "draft_ms": 0.0, "verify_ms": step,
                         "other_ms": 0.0, "decision_mix": None})
-        steps = r["gen_len"] / r["mean_accepted_length"]
+        steps = _steps_per_request(r)
         step = 1000.0 * r["wall_s"] / steps
         d = 1000.0 * r["time_draft_s"] / steps
         v = 1000.0 * (r.get("time_verify_s") or 0.0) / steps
         out.append({"method": r["method"], "sampling": key[0], "batch_size": key[1], "gen_len": key[2],
-                    "tokens_per_step": r["mean_accepted_length"], "step_ms": step, "draft_ms": d,
+                    "tokens_per_step": r["gen_len"] / steps, "step_ms": step, "draft_ms": d,
                     "verify_ms": v, "other_ms": max(0.0, step - d - v),
                     "decision_mix": decision_mix_fractions(r.get("steps_by_kind"))})
     return out
