@@ -192,7 +192,7 @@ def test_fixed_price_of_drafting_makes_plain_decoding_win():
     (0.15 > b·θ = 0.01·10); with g = 0.02 the best drafting plan makes
     1.15 / 0.13 = 8.85 tok/s < 10 tok/s of plain decoding, so no request drafts."""
     r = row(ngram=[0.15, 0.05], none=[])
-    d0 = pol.decide([r], costs())
+    d0 = pol.decide([r], costs(), min_gain=0.0)
     assert d0.kinds == ["ngram"] and d0.lengths == [1]
     assert d0.throughput == pytest.approx(1.15 / 0.11)
     d = pol.decide([r], dict(costs(), g=0.02))
@@ -206,6 +206,23 @@ def test_fixed_price_of_drafting_makes_plain_decoding_win():
     # a forced option still drafts (exploration), paying g
     forced = pol.RowOptions({"ngram": np.array([0.15]), "none": np.zeros(0)}, forced="ngram")
     assert pol.decide([forced], dict(costs(), g=0.02)).kinds == ["ngram"]
+
+
+def test_drafting_needs_a_margin_over_plain_decoding():
+    """The chain of the test above predicts 1.15 / 0.11 = 10.45 tok/s against plain
+    decoding's 10: a 4.5% gain, below the default 5% margin (MIN_GAIN), so the policy
+    stays plain; a chain predicting 1.3 / 0.11 = 11.8 tok/s (18%) drafts; a margin of
+    20% refuses that one too; a forced try drafts whatever the margin."""
+    assert pol.MIN_GAIN == pytest.approx(0.05)
+    small = [row(ngram=[0.15, 0.05], none=[])]
+    d = pol.decide(small, costs())
+    assert d.kinds == ["none"] and d.throughput == pytest.approx(10.0)
+    clear = [row(ngram=[0.3], none=[])]
+    assert pol.decide(clear, costs()).kinds == ["ngram"]
+    assert pol.decide(clear, costs()).throughput == pytest.approx(1.3 / 0.11)
+    assert pol.decide(clear, costs(), min_gain=0.2).kinds == ["none"]
+    forced = pol.RowOptions({"ngram": np.array([0.15]), "none": np.zeros(0)}, forced="ngram")
+    assert pol.decide([forced], costs(), min_gain=0.2).kinds == ["ngram"]
 
 
 def test_plain_probe_only_when_the_choice_is_close_and_unmeasured():
