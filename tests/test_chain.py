@@ -94,3 +94,62 @@ def test_ngram_chain_takes_the_branch_the_long_context_took_last():
     short = NGramTable(3, long_n=0)
     short.extend(table.tokens)
     assert ngram_chain(short.tokens[-4:], short, max_len=3, min_conf=0.01).tokens == [5, 0, 1]
+
+
+def _reference_select_chain(context, tree, prob, table, ngram_topk, max_len, min_conf, mix):
+    """select_chain as it was before the depth-first tree search: every path of the tree
+    scored separately, and the O(k²·n) back-off frequencies (the exhaustive definition)."""
+    import itertools
+
+    from vllm_tokenswift.chain import Chain, extend_chain, within_frequencies
+
+    num_dists = len(tree)
+    use_ng = table is not None and ngram_topk > 0
+    tab = table if use_ng else None
+    best_tokens, best_src_ng, best_back, best_score = [], False, None, -1.0
+    for path in itertools.product(*[tree[d] for d in range(min(num_dists, max_len))]):
+        s, _ = score_chain(path, context, prob, tab, num_dists, mix)
+        if s > best_score:
+            best_score, best_tokens, best_src_ng = s, list(path), False
+    if use_ng:
+        for skip, first in ((False, tree[0][0]), (True, context[-1])):
+            grams = table.topk(first, ngram_topk)
+            for gram, _ in grams:
+                cand = list(gram[1:] if skip else gram)[:max_len]
+                back = within_frequencies(grams, gram, skip)
+                s, _ = score_chain(cand, context, prob, tab, num_dists, mix, back)
+                if s > best_score:
+                    best_score, best_tokens, best_src_ng, best_back = s, cand, True, back
+    chain = Chain(best_tokens, [SOURCE_NGRAM if best_src_ng else SOURCE_HEADS] * len(best_tokens),
+                  best_score)
+    if use_ng and len(best_tokens) < max_len:
+        _, qs = score_chain(best_tokens, context, prob, tab, num_dists, mix, best_back)
+        cum = 1.0
+        for q in qs:
+            cum *= q
+        extend_chain(chain, context, table, max_len, min_conf, cum, prob, num_dists, mix)
+    return chain
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_select_chain_equals_exhaustive_reference(seed):
+    """The depth-first tree search and the O(k·n) back-off frequencies give exactly the
+    chain (tokens, sources, expected length as a float) of the exhaustive search."""
+    import random
+
+    rng = random.Random(seed)
+    vocab = rng.randint(3, 12)               # small vocabularies: many repeats and ties
+    n = rng.choice([2, 3, 4])
+    hist = [rng.randrange(vocab) for _ in range(rng.randint(0, 300))]
+    table = NGramTable(n)
+    table.extend(hist)
+    context = hist[-20:] if len(hist) >= 2 else [rng.randrange(vocab), rng.randrange(vocab)]
+    widths = [1] + [rng.randint(0, 4) if rng.random() < 0.1 else rng.randint(1, 4) for _ in range(3)]
+    tree = [rng.sample(range(vocab), min(w, vocab)) for w in widths]
+    dists = [{t: rng.choice([0.0, 0.1, 0.25, 0.5, rng.random()]) for t in range(vocab)} for _ in tree]
+    prob = probs_from(dists)
+    topk = rng.choice([0, 2, 5])
+    max_len = rng.randint(1, 8)
+    want = _reference_select_chain(context, tree, prob, table, topk, max_len, 0.3, 0.5)
+    got = select_chain(context, tree, prob, table, topk, max_len, min_conf=0.3, mix=0.5)
+    assert (got.tokens, got.sources, got.expected_len) == (want.tokens, want.sources, want.expected_len)

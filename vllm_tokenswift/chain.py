@@ -35,7 +35,6 @@ point masses and its rejection sampler decides acceptance.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -165,18 +164,18 @@ def select_chain(context: list[int], tree_tokens: Sequence[Sequence[int]],
     best_score = -1.0
 
     depth = min(num_dists, max_len)
-    for path in itertools.product(*[tree_tokens[d] for d in range(depth)]):
-        s, _ = score_chain(path, context, prob, tab, num_dists, mix)
-        if s > best_score:
-            best_score, best_tokens, best_src_ng = s, list(path), False
+    best_score, best_tokens = _best_tree_path(tree_tokens, depth, context, prob, tab, num_dists, mix)
 
     if use_ng:
         cands: list[tuple[list[int], list[float | None]]] = []
         for skip, first in ((False, tree_tokens[0][0]), (True, context[-1])):
             grams = table.topk(first, ngram_topk)
+            freq = backoff_frequencies(grams)     # == within_frequencies for every gram
             for gram, _cnt in grams:
                 chain = list(gram[1:] if skip else gram)[:max_len]
-                cands.append((chain, within_frequencies(grams, gram, skip)))
+                back = [] if skip else [None]
+                back += [freq[gram[:i]] for i in range(2, len(gram) + 1)]
+                cands.append((chain, back))
         for cand, back in cands:
             s, _ = score_chain(cand, context, prob, tab, num_dists, mix, back)
             if s > best_score:
@@ -191,6 +190,50 @@ def select_chain(context: list[int], tree_tokens: Sequence[Sequence[int]],
             cum *= q
         extend_chain(chain, context, table, max_len, min_conf, cum, prob, num_dists, mix)
     return chain
+
+
+def _best_tree_path(tree_tokens: Sequence[Sequence[int]], depth: int, context: list[int],
+                    prob: Callable[[int, int], float | None], table: NGramTable | None,
+                    num_dists: int, mix: float) -> tuple[float, list[int]]:
+    """The path through the token tree (one token of ``tree_tokens[d]`` per depth ``d <
+    depth``) with the largest :func:`score_chain` score, and that score (``-1.0, []``
+    when a level is empty).
+
+    Same result as scoring every path of ``itertools.product`` with
+    :func:`score_chain` (same floating-point operations in the same order, first
+    maximum kept), but depth-first, so each tree node's estimate ``q`` and its n-gram
+    lookups are computed once instead of once per path through it (39 instead of 81
+    for the paper's ``[1, 3, 3, 3]`` tree)."""
+    m = table.n - 1 if table is not None else 0
+    best: list = [-1.0, []]
+    path: list[int] = []
+
+    def visit(i: int, cum: float, total: float, tail: list[int]) -> None:
+        if i == depth:
+            if total > best[0]:
+                best[0], best[1] = total, list(path)
+            return
+        f_ctx = None
+        if table is not None:
+            ctx = tuple(tail[-m:])
+            cnt = table.ctx_counts.get(ctx) if len(ctx) == m else None
+            f_ctx = (ctx, cnt) if cnt else None
+        for tok in tree_tokens[i]:
+            f = table.counts.get(f_ctx[0] + (tok,), 0) / f_ctx[1] if f_ctx is not None else None
+            p = prob(i, tok) if i < num_dists else None
+            if p is None:
+                q = f if f is not None else 0.0
+            elif f is None:
+                q = p
+            else:
+                q = mix * p + (1.0 - mix) * f
+            c = cum * q
+            path.append(tok)
+            visit(i + 1, c, total + c, tail + [tok] if m else tail)
+            path.pop()
+
+    visit(0, 1.0, 0.0, list(context[-m:]) if m else [])
+    return best[0], best[1]
 
 
 def extend_chain(chain: Chain, context: list[int], table: NGramTable, max_len: int, min_conf: float,
