@@ -8,6 +8,11 @@ batch sizes. Runs vLLM in-process so the proposer object can be timed directly.
 Run it from another checkout (``PYTHONPATH=/path/to/old/checkout``) to compare versions;
 ``--tokenswift`` passes settings through (an older version needs its own keys, e.g.
 ``{"skip_draft_conf": 1.01}`` for "always draft").
+
+    python examples/proposer_overhead.py --plot out.png before.json after.json ...
+
+draws the ``own_ms_per_step`` of several saved runs side by side (one bar group per
+sampling and batch size; labels from the file names) without starting vLLM.
 """
 
 from __future__ import annotations
@@ -28,7 +33,13 @@ def main() -> None:
     ap.add_argument("--sampling", default="greedy,paper")
     ap.add_argument("--tokenswift", default="{}")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None, metavar="PNG",
+                    help="plot the saved runs given as arguments instead of measuring")
+    ap.add_argument("runs", nargs="*", help="with --plot: JSON files written by --json")
     args = ap.parse_args()
+    if args.plot:
+        plot(args.runs, args.plot)
+        return
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import vllm_tokenswift
     from vllm import LLM, SamplingParams
@@ -94,6 +105,39 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"tokenswift": ts, "results": results}, fh, indent=1)
+
+
+def plot(paths: list[str], out: str) -> None:
+    """Grouped bars: the proposer's own ms per engine step, per (sampling, batch), one bar per
+    saved run (``--json`` output). Raises ValueError without runs."""
+    if not paths:
+        raise ValueError("--plot needs at least one JSON file written by --json")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = []
+    for p in paths:
+        with open(p) as fh:
+            res = json.load(fh)["results"]
+        runs.append((os.path.splitext(os.path.basename(p))[0],
+                     {(r["sampling"], r["batch"]): r["own_ms_per_step"] for r in res}))
+    keys = sorted({k for _, d in runs for k in d}, key=lambda k: (k[0], k[1]))
+    width = 0.8 / len(runs)
+    fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(keys), 3.6))
+    for i, (label, d) in enumerate(runs):
+        xs = [j + (i - (len(runs) - 1) / 2) * width for j in range(len(keys))]
+        vals = [d.get(k, float("nan")) for k in keys]
+        bars = ax.bar(xs, vals, width, label=label)
+        ax.bar_label(bars, fmt="%.1f", fontsize=7)
+    ax.set_xticks(range(len(keys)), [f"{s}\nbatch {b}" for s, b in keys])
+    ax.set_ylabel("proposer's own ms per engine step")
+    ax.set_title("TokenSwift proposer overhead (draft forward excluded)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
