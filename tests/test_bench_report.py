@@ -553,3 +553,79 @@ def test_engine_output_goes_to_the_log_file(tmp_path, capfd, monkeypatch):
     assert capfd.readouterr().out == "after\n"
     with harness.engine_output_to(None) as (out, err):
         assert (out, err) == (sys.stdout, sys.stderr)
+
+
+def test_paired_speedup_uses_the_ar_run_of_the_same_round():
+    recs = [_rec("ar", 100.0, rep=0, paired_speedup=True), _rec("ar", 50.0, rep=1, paired_speedup=True),
+            _rec("tokenswift", 110.0, rep=0, paired_speedup=True),
+            _rec("tokenswift", 60.0, rep=1, paired_speedup=True),
+            _rec("tokenswift", 80.0, rep=2, paired_speedup=True),     # its AR run is missing: median
+            _rec("ngram", 150.0, rep=0)]                               # not paired: median
+    report.compute_speedups(recs)
+    assert [r["speedup_vs_ar"] for r in recs[:5]] == pytest.approx([1.0, 1.0, 1.1, 1.2, 80.0 / 75.0])
+    assert recs[5]["speedup_vs_ar"] == pytest.approx(2.0)
+    rows = {r["method"]: r for r in report.summarize(recs)}
+    assert rows["tokenswift"]["speedup_median"] == pytest.approx(1.1)   # median of 1.1, 1.2, 1.067
+
+
+def _fake_engines(monkeypatch, log):
+    """Replace the harness' engine functions by fakes that log what runs when."""
+    class Fake:
+        def __init__(self, name):
+            self.name = name
+
+    def build(cfg, spec, mml):
+        name = "ar" if spec is None else spec["method"]
+        log.append(("start", name))
+        return Fake(name)
+
+    speeds = {"ar": 100.0, "ngram": 150.0}
+
+    def timed(llm, prompts, sp_kw, g, k, plugin_stats=False):
+        log.append(("run", llm.name, g, sp_kw.get("temperature")))
+        tps = speeds[llm.name] * (1.0 if sum(1 for e in log if e[0] == "run") <= 2 else 0.5)
+        return {"tokens_per_s": tps, "num_tokens": g, "wall_s": g / tps}, [[1] * g for _ in prompts]
+
+    monkeypatch.setattr(harness, "build_engine", build)
+    monkeypatch.setattr(harness, "warmup", lambda *a, **k: None)
+    monkeypatch.setattr(harness, "timed_run", timed)
+    monkeypatch.setattr(harness, "teardown_engine", lambda llm: log.append(("stop", llm.name)))
+
+
+@pytest.mark.parametrize("scope", ["method", "interleave"])
+def test_run_bench_order_of_runs_and_engines(monkeypatch, tmp_path, scope):
+    log = []
+    _fake_engines(monkeypatch, log)
+    cfg = harness.BenchConfig(methods=["ar", "ngram"], gen_lens=[16], batch_sizes=[1], samplings=["greedy"],
+                              repeats=2, out_dir=str(tmp_path), random_prompts=True, prefix_len=32,
+                              engine_scope=scope)
+    recs = harness.run_bench(cfg, progress=False)
+    if scope == "method":
+        assert log == [("start", "ar"), ("run", "ar", 16, 0.0), ("run", "ar", 16, 0.0), ("stop", "ar"),
+                       ("start", "ngram"), ("run", "ngram", 16, 0.0), ("run", "ngram", 16, 0.0),
+                       ("stop", "ngram")]
+    else:   # both engines first, then the runs alternate round by round
+        assert log == [("start", "ar"), ("start", "ngram"),
+                       ("run", "ar", 16, 0.0), ("run", "ngram", 16, 0.0),
+                       ("run", "ar", 16, 0.0), ("run", "ngram", 16, 0.0),
+                       ("stop", "ar"), ("stop", "ngram")]
+    ng = sorted((r["repeat"], r["speedup_vs_ar"]) for r in recs if r["method"] == "ngram")
+    if scope == "interleave":
+        # round 0: 150 / 100; round 1 (machine "twice as slow"): 75 / 50
+        assert ng == [(0, pytest.approx(1.5)), (1, pytest.approx(1.5))]
+        assert all(r["paired_speedup"] for r in recs)
+    else:
+        # ar 100, 100 (its two runs came first); ngram 75, 75 against the median AR 100
+        assert ng == [(0, pytest.approx(0.75)), (1, pytest.approx(0.75))]
+    assert all(r["identical_to_ar"] for r in recs)
+
+
+def test_bench_cli_interleave_flag():
+    from vllm_tokenswift.bench import cli
+
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers()
+    cli.add_parser(sub)
+    assert ap.parse_args(["bench", "--interleave"]).engine_scope == "interleave"
+    assert ap.parse_args(["bench", "--engine-scope", "interleave"]).engine_scope == "interleave"
+    assert ap.parse_args(["bench"]).engine_scope == "method"

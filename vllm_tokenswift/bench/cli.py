@@ -92,8 +92,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--method-config", type=_method_config, action="append", default=[],
                    metavar="NAME=JSON",
                    help="define or override a method's speculative_config ('null' = AR), repeatable")
-    p.add_argument("--engine-scope", choices=["method", "setting"], default="method",
-                   help="one engine per method (default) or per (method, gen_len, batch, sampling)")
+    p.add_argument("--engine-scope", choices=["method", "setting", "interleave"], default="method",
+                   help="one engine per method (default) or per (method, gen_len, batch, sampling); "
+                        "interleave: all methods' engines at once (memory: one engine each), runs "
+                        "alternating method by method, round by round, speedups paired per round")
+    p.add_argument("--interleave", dest="engine_scope", action="store_const", const="interleave",
+                   help="same as --engine-scope interleave")
     p.add_argument("--no-enforce-eager", dest="enforce_eager", action="store_false",
                    help="let vLLM compile the model (slower start)")
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size in GiB (default 1)")

@@ -4,7 +4,11 @@ One ``vllm.LLM`` engine is built per method (``engine_scope="method"``, default:
 the engine serves every gen_len / batch size / sampling of that method, with
 ``max_model_len`` sized for the longest run) or per (method, setting)
 (``engine_scope="setting"``), warmed up with a short generate, timed over
-``repeats`` runs, then torn down before the next one.
+``repeats`` runs, then torn down before the next one. With
+``engine_scope="interleave"`` every method's engine is started first and kept,
+and the timed runs go round by round (each setting and repeat: every method once,
+in turn), so that drift of a shared machine hits all methods of a round alike;
+speedups are then paired with the AR run of the same round.
 
 Per timed run the harness records wall time, generated tokens, vLLM's
 speculative-decoding Prometheus counters (deltas of ``llm.get_metrics()`` taken
@@ -145,7 +149,8 @@ class BenchConfig:
         tokenswift: extra ``"tokenswift"`` settings merged into every variant.
         method_configs: method name -> speculative config dict (``None`` = AR);
             overrides or adds methods.
-        engine_scope: ``"method"`` or ``"setting"`` (see module doc).
+        engine_scope: ``"method"``, ``"setting"`` or ``"interleave"`` (see module doc;
+            ``"interleave"`` holds one engine per method in memory at once).
         enforce_eager: pass ``enforce_eager`` to vLLM (no torch.compile; fast start).
         kv_cache_gb: KV cache size (GiB) via ``kv_cache_memory_bytes``.
         dtype: model dtype for vLLM.
@@ -674,11 +679,18 @@ def run_bench(cfg: BenchConfig, progress: bool = True,
               bar_file: TextIO | None = None) -> list[dict]:
     """Run every method and setting of ``cfg``; return the records.
 
+    ``engine_scope`` ``"method"``/``"setting"``: one engine at a time, each running all
+    repeats of its settings in a row. ``"interleave"``: every method's engine is started
+    first and kept (an idle vLLM engine uses no CPU, only memory), then the runs go
+    round by round: for each setting and repeat, every method once in turn. Slow drift
+    of a shared machine then hits all methods of a round alike, and each run's speedup
+    is taken against the AR run of its own round (``paired_speedup``).
+
     Args:
         cfg: the benchmark settings.
         progress: show tqdm bars (runs and engines).
-        on_records: called with all records so far after each engine (for
-            incremental saving).
+        on_records: called with all records so far after each engine (``"interleave"``:
+            after each round), for incremental saving.
         bar_file: stream of the progress bar (default stderr; see :func:`engine_output_to`).
     """
     from tqdm import tqdm
@@ -694,8 +706,17 @@ def run_bench(cfg: BenchConfig, progress: bool = True,
     bar = tqdm(total=total_runs, desc="bench runs", disable=not progress, file=bar_file or sys.stderr,
                dynamic_ncols=True)
     tok_dir = os.path.join(cfg.out_dir, "tokens")
+    interleave = cfg.engine_scope == "interleave"
 
-    for method in cfg.methods:
+    def finish() -> None:
+        fill_identical_to_ar(records, outputs)
+        report.compute_speedups(records)
+        if on_records is not None:
+            on_records(records)
+
+    def start(method: str, group: list[tuple[int, int, str]]) -> dict | None:
+        """Start and warm up ``method``'s engine for ``group``; None (records written)
+        when the method is unavailable or its engine fails to start."""
         try:
             spec = speculative_config(method, cfg)
         except ValueError as e:
@@ -703,70 +724,93 @@ def run_bench(cfg: BenchConfig, progress: bool = True,
         else:
             why = method_unavailable(method, spec)
         if why:
-            for g, b, s in settings:
+            for g, b, s in group:
                 rec = _base_record(method, g, b, s, 0, prefix, cfg, spec)
                 rec.update(status="unavailable", note=f"unavailable: {why}")
                 records.append(rec)
-            bar.update(len(settings) * cfg.repeats)
+            bar.update(len(group) * cfg.repeats)
             logger.warning("%s unavailable: %s", method, why)
-            continue
-        k = (spec or {}).get("num_speculative_tokens")
+            return None
         is_ts = bool(spec) and spec.get("method") == "tokenswift"
-        groups = ([settings] if cfg.engine_scope == "method" else [[st] for st in settings])
-        for group in groups:
-            mml = prefix + max(g for g, _, _ in group) + 64
-            budget = ((spec or {}).get("tokenswift") or {}).get("kv_budget") if is_ts else None
-            if budget and budget > mml and (max_len is None or budget <= max_len):
-                mml = int(budget)  # the plugin refuses kv_budget > max_model_len; no memory cost
-            llm = None
-            try:
-                bar.set_postfix_str(f"{method}: starting engine")
-                llm = build_engine(cfg, spec, mml)
-                warmup(llm, prompts_by_b[group[0][1]][0], cfg.warmup_tokens)
-            except Exception as e:  # engine cannot start: record and go on
-                msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-                logger.exception("%s: engine failed", method)
-                for g, b, s in group:
-                    rec = _base_record(method, g, b, s, 0, prefix, cfg, spec)
-                    rec.update(status="error", note=f"engine start failed: {msg}"[:500])
-                    records.append(rec)
-                bar.update(len(group) * cfg.repeats)
-                teardown_engine(llm)
-                continue
-            for g, b, s in group:
-                sp_kw, note = sampling_kwargs(method, s, spec)
-                try:  # untimed: first use of this batch shape / sampling path
-                    warmup(llm, prompts_by_b[b][0], cfg.warmup_tokens, sp_kw)
+        mml = prefix + max(g for g, _, _ in group) + 64
+        budget = ((spec or {}).get("tokenswift") or {}).get("kv_budget") if is_ts else None
+        if budget and budget > mml and (max_len is None or budget <= max_len):
+            mml = int(budget)  # the plugin refuses kv_budget > max_model_len; no memory cost
+        llm = None
+        try:
+            bar.set_postfix_str(f"{method}: starting engine")
+            llm = build_engine(cfg, spec, mml)
+            warmup(llm, prompts_by_b[group[0][1]][0], cfg.warmup_tokens)
+            for g, b, s in group:   # untimed: first use of each batch shape / sampling path
+                try:
+                    warmup(llm, prompts_by_b[b][0], cfg.warmup_tokens, sampling_kwargs(method, s, spec)[0])
                 except Exception:
                     logger.debug("warm-up failed", exc_info=True)
-                for rep in range(cfg.repeats):
-                    bar.set_postfix_str(f"{method} gen={g} b={b} {s} r{rep}")
-                    rec = _base_record(method, g, b, s, rep, prefix, cfg, spec)
-                    rec["note"] = note
-                    try:
-                        fields, ids = timed_run(llm, prompts_by_b[b], sp_kw, g, k,
-                                                plugin_stats=is_ts)
-                    except Exception as e:
-                        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-                        rec.update(status="error", note=f"{type(e).__name__}: {msg}"[:500])
-                        logger.exception("%s gen=%d b=%d %s failed", method, g, b, s)
-                    else:
-                        rec.update(fields)
-                        outputs[(method, g, b, s, rep)] = ids
-                        if cfg.save_tokens:
-                            os.makedirs(tok_dir, exist_ok=True)
-                            with open(os.path.join(tok_dir, f"{method}_g{g}_b{b}_{s}_r{rep}.json"),
-                                      "w", encoding="utf-8") as f:
-                                json.dump(ids, f)
-                    records.append(rec)
-                    bar.update(1)
-            bar.set_postfix_str(f"{method}: teardown")
+        except Exception as e:  # engine cannot start: record and go on
+            msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            logger.exception("%s: engine failed", method)
+            for g, b, s in group:
+                rec = _base_record(method, g, b, s, 0, prefix, cfg, spec)
+                rec.update(status="error", note=f"engine start failed: {msg}"[:500])
+                records.append(rec)
+            bar.update(len(group) * cfg.repeats)
             teardown_engine(llm)
-            llm = None
-        fill_identical_to_ar(records, outputs)
-        report.compute_speedups(records)
-        if on_records is not None:
-            on_records(records)
+            return None
+        return {"llm": llm, "spec": spec, "k": (spec or {}).get("num_speculative_tokens"), "is_ts": is_ts}
+
+    def run_one(method: str, eng: dict, g: int, b: int, s: str, rep: int) -> None:
+        bar.set_postfix_str(f"{method} gen={g} b={b} {s} r{rep}")
+        sp_kw, note = sampling_kwargs(method, s, eng["spec"])
+        rec = _base_record(method, g, b, s, rep, prefix, cfg, eng["spec"])
+        rec["note"] = note
+        rec["paired_speedup"] = interleave
+        try:
+            fields, ids = timed_run(eng["llm"], prompts_by_b[b], sp_kw, g, eng["k"], plugin_stats=eng["is_ts"])
+        except Exception as e:
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            rec.update(status="error", note=f"{type(e).__name__}: {msg}"[:500])
+            logger.exception("%s gen=%d b=%d %s failed", method, g, b, s)
+        else:
+            rec.update(fields)
+            outputs[(method, g, b, s, rep)] = ids
+            if cfg.save_tokens:
+                os.makedirs(tok_dir, exist_ok=True)
+                with open(os.path.join(tok_dir, f"{method}_g{g}_b{b}_{s}_r{rep}.json"),
+                          "w", encoding="utf-8") as f:
+                    json.dump(ids, f)
+        records.append(rec)
+        bar.update(1)
+
+    if interleave:
+        engines: dict[str, dict] = {}
+        try:
+            for method in cfg.methods:
+                eng = start(method, settings)
+                if eng is not None:
+                    engines[method] = eng
+            for g, b, s in settings:
+                for rep in range(cfg.repeats):
+                    for method in cfg.methods:
+                        if method in engines:
+                            run_one(method, engines[method], g, b, s, rep)
+                    finish()
+        finally:
+            for method, eng in engines.items():
+                bar.set_postfix_str(f"{method}: teardown")
+                teardown_engine(eng["llm"])
+    else:
+        for method in cfg.methods:
+            groups = ([settings] if cfg.engine_scope == "method" else [[st] for st in settings])
+            for group in groups:
+                eng = start(method, group)
+                if eng is None:
+                    continue
+                for g, b, s in group:
+                    for rep in range(cfg.repeats):
+                        run_one(method, eng, g, b, s, rep)
+                bar.set_postfix_str(f"{method}: teardown")
+                teardown_engine(eng["llm"])
+            finish()
     bar.close()
     fill_identical_to_ar(records, outputs)
     report.compute_speedups(records)

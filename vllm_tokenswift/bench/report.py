@@ -14,6 +14,9 @@ A *record* is one timed run of one method in one setting (a ``dict``). Keys
   average time per generated token of one sequence (paper Eq. 5 latency).
 * ``speedup_vs_ar``: method tokens/s / AR tokens/s (median AR over repeats of the
   same ``gen_len``/``batch_size``/``sampling``), i.e. AR latency / method latency.
+  Records with ``paired_speedup`` true (``bench --interleave``: runs alternate method
+  by method, round by round) are divided by the AR run of the same round (``repeat``)
+  instead, when that run succeeded.
 * ``acceptance_rate``: α (paper Eq. 4) ``= accepted / (num_spec_tokens * drafts)``.
 * ``mean_accepted_length``: ``1 + accepted / drafts`` tokens per step (bonus included).
 * ``ngram_acceptance``: β (Eq. 6) from the TokenSwift plugin, else ``None``.
@@ -51,7 +54,7 @@ RECORD_FIELDS: list[str] = [
     "num_tokens", "wall_s", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
     "num_speculative_tokens", "time_draft_s", "time_verify_s", "prefix_len",
     "ar_common_prefix_tokens", "ttft_s", "decode_tokens_per_s", "steps_by_kind",
-    "accepted_by_kind", "note",
+    "accepted_by_kind", "paired_speedup", "note",
 ]
 
 #: Columns of the markdown summary table.
@@ -254,14 +257,22 @@ def compute_speedups(records: list[dict]) -> list[dict]:
     """Fill ``speedup_vs_ar`` in place: method tokens/s ÷ median AR tokens/s of the
     same (gen_len, batch_size, sampling) (= AR latency / method latency, paper Eq. 5).
 
-    ``None`` where no AR run of that setting succeeded. Returns ``records``.
+    A record with ``paired_speedup`` true (interleaved runs) is divided by the AR run of
+    the same setting and ``repeat`` (its round) when that one succeeded, else by the
+    median. ``None`` where no AR run of that setting succeeded. Returns ``records``.
     """
     ar: dict[tuple, list[float]] = defaultdict(list)
+    ar_round: dict[tuple, float] = {}
     for r in records:
         if r.get("method") == "ar" and _ok(r):
-            ar[tuple(r.get(k) for k in _SETTING)].append(r["tokens_per_s"])
+            key = tuple(r.get(k) for k in _SETTING)
+            ar[key].append(r["tokens_per_s"])
+            ar_round[key + (r.get("repeat"),)] = r["tokens_per_s"]
     for r in records:
-        base = _median(ar.get(tuple(r.get(k) for k in _SETTING), []))
+        key = tuple(r.get(k) for k in _SETTING)
+        base = ar_round.get(key + (r.get("repeat"),)) if r.get("paired_speedup") else None
+        if not base:
+            base = _median(ar.get(key, []))
         r["speedup_vs_ar"] = (r["tokens_per_s"] / base) if (base and _ok(r)) else None
     return records
 

@@ -1,0 +1,140 @@
+"""Does a TokenSwift step that drafts nothing cost what a plain decoding step costs?
+
+Keeps four engines alive in one process (each with vLLM's usual engine-core and
+worker processes; an idle engine uses no CPU) and runs them **alternately**, one at
+a time, on the same long prompt under the paper's sampling (T 1.0, min_p 0.1,
+repetition penalty 1.2 over 1,024 tokens), so that slow drift of the machine hits
+every mode alike:
+
+* ``ar``: plain decoding;
+* ``ts-empty``: a TokenSwift engine whose proposer returns no drafts at once (the
+  cost of a speculative engine's step itself: scheduler, runner, sampler);
+* ``ts-nodraft``: the proposer accounts and updates its n-gram tables but never
+  drafts (its ``_draft`` step is a no-op): ``ts-empty`` + the proposer's fixed work;
+* ``ts``: the TokenSwift engine as shipped (adaptive policy).
+
+The modes other than ``ts`` are set up by replacing a method of the proposer in the
+worker (``collective_rpc`` with a callable); nothing of the package is changed.
+Each timed run generates ``--new-tokens`` tokens; the figure is decode time per
+token (the run's wall time minus its time to first token; the prompt's KV blocks
+are in the prefix cache after the warm-up, so the prefill is short anyway). Prints ms per token per run and each mode's median ratio
+to ``ar``.
+
+    python examples/step_cost_ab.py --prefix-len 6000 --new-tokens 300 --repeats 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+MODES = ("ar", "ts-empty", "ts-nodraft", "ts")
+
+
+def _patch_empty(worker):
+    d = worker.model_runner.drafter
+    d.propose_with_runner = lambda runner, scheduler_output, sampled, *a, **k: [[] for _ in sampled]
+    return True
+
+
+def _patch_nodraft(worker):
+    d = worker.model_runner.drafter
+    d._draft = lambda runner, rows, out: None
+    return True
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prefix-len", type=int, default=6000)
+    ap.add_argument("--new-tokens", type=int, default=300)
+    ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--sampling", default="paper", choices=("paper", "greedy"))
+    ap.add_argument("--json", default=None, help="write all runs here")
+    ap.add_argument("--log", default="/tmp/step_cost_ab.log", help="vLLM's own log lines go here")
+    args = ap.parse_args()
+    modes = args.modes.split(",")
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise SystemExit(f"unknown modes {bad}; choose from {MODES}")
+
+    # the two diagnostic modes send a function to the worker (collective_rpc), which vLLM
+    # serialises with pickle only when allowed to
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    from vllm_tokenswift.bench.harness import engine_output_to, teardown_engine
+
+    with engine_output_to(args.log) as (out, _err):
+        from transformers import AutoTokenizer
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from vllm_tokenswift.models import resolve_target
+
+        model, heads = resolve_target("smollm2")
+        tok = AutoTokenizer.from_pretrained(model)
+        books = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
+                             "pg-books", "train.jsonl")
+        with open(os.environ.get("TOKENSWIFT_BOOKS", books)) as fh:
+            text = json.loads(fh.readline())["text"]
+        ids = tok(text[: 40 * args.prefix_len], add_special_tokens=False)["input_ids"][: args.prefix_len]
+        if len(ids) < args.prefix_len:
+            raise SystemExit(f"the first book has only {len(ids)} tokens; pass a smaller --prefix-len")
+        prompt = TokensPrompt(prompt_token_ids=ids)
+        if args.sampling == "paper":
+            sp = SamplingParams(temperature=1.0, min_p=0.1, repetition_penalty=1.2, max_tokens=args.new_tokens,
+                                ignore_eos=True, extra_args={"repetition_penalty_window": 1024})
+        else:
+            sp = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+        engines = {}
+        for mode in modes:
+            spec = None
+            if mode != "ar":
+                spec = {"method": "tokenswift", "model": heads, "num_speculative_tokens": 8,
+                        "tokenswift": {"kv_budget": 1024, "log_interval_s": 0}}
+            print(f"starting {mode} ...", file=out, flush=True)
+            llm = LLM(model=model, dtype="float32", max_model_len=args.prefix_len + args.new_tokens + 64,
+                      enforce_eager=True, enable_prefix_caching=True, kv_cache_memory_bytes=2**30, seed=0,
+                      speculative_config=spec, max_num_seqs=1, disable_log_stats=False)
+            if mode == "ts-empty":
+                llm.collective_rpc(_patch_empty)
+            elif mode == "ts-nodraft":
+                llm.collective_rpc(_patch_nodraft)
+            # warm-up; it also puts the prompt's KV blocks in the prefix cache, so the timed
+            # runs' prefill is short and their time is decode
+            llm.generate([prompt], SamplingParams(max_tokens=16), use_tqdm=False)
+            engines[mode] = llm
+        runs = []
+        for rep in range(args.repeats):
+            for mode in modes:
+                t = time.perf_counter()
+                res = engines[mode].generate([prompt], sp, use_tqdm=False)[0]
+                wall = time.perf_counter() - t
+                n = len(res.outputs[0].token_ids)
+                ttft = getattr(getattr(res, "metrics", None), "first_token_latency", None) or 0.0
+                ms = 1000 * (wall - ttft) / max(n - 1, 1)
+                runs.append({"mode": mode, "repeat": rep, "tokens": n, "wall_s": wall, "ttft_s": ttft,
+                             "decode_ms_per_tok": ms})
+                print(f"repeat {rep}  {mode:<11} {ms:7.2f} ms/token (ttft {ttft:.2f} s)", file=out, flush=True)
+        ar = [r["decode_ms_per_tok"] for r in runs if r["mode"] == "ar"]
+        for mode in modes:
+            ms = [r["decode_ms_per_tok"] for r in runs if r["mode"] == mode]
+            line = f"{mode:<11} median {statistics.median(ms):7.2f} ms/token"
+            if ar:
+                # paired by repeat: the runs of one round are adjacent in time
+                ratios = [a / m for a, m in zip(ar, ms)]
+                line += (f"  speed vs ar: median {statistics.median(ratios):.3f}x "
+                         f"(per round: {', '.join(f'{x:.3f}' for x in ratios)})")
+            print(line, file=out, flush=True)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"prefix_len": args.prefix_len, "new_tokens": args.new_tokens,
+                           "sampling": args.sampling, "runs": runs}, fh, indent=1)
+        for llm in engines.values():
+            teardown_engine(llm)
+
+
+if __name__ == "__main__":
+    main()
