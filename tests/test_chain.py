@@ -96,6 +96,24 @@ def test_ngram_chain_takes_the_branch_the_long_context_took_last():
     assert ngram_chain(short.tokens[-4:], short, max_len=3, min_conf=0.01).tokens == [5, 0, 1]
 
 
+def test_build_chain_extends_past_the_heads_along_the_long_context_branch():
+    """The adaptive policy's chain builder extends the heads' chain with the same rule as
+    the n-gram-only chains: the token after the latest earlier occurrence of the last
+    long_n tokens (here the branch 9), not the most frequent 2-token continuation (5)."""
+    from vllm_tokenswift.chain import build_chain
+
+    table = NGramTable(3, long_n=4)
+    table.extend([1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 9, 0, 1, 2, 3])
+    # one draft distribution, certain of 4; the chain continues from (1, 2, 3, 4)
+    ch = build_chain(table.tokens[-4:], [[4]], probs_from([{4: 1.0}]), table, [[]], max_len=4,
+                     min_conf=0.01)
+    assert ch.tokens == [4, 9, 0, 1]
+    assert ch.sources == [SOURCE_HEADS, SOURCE_NGRAM, SOURCE_NGRAM, SOURCE_NGRAM]
+    # q of the head token mixes p = 1 with the n-gram frequency of 4 after (2, 3): 1.0
+    assert ch.confs == pytest.approx([1.0, 0.5, 1.0, 1.0])
+    assert ch.expected_len == pytest.approx(1.0 + 0.5 + 0.5 + 0.5)
+
+
 def _reference_select_chain(context, tree, prob, table, ngram_topk, max_len, min_conf, mix):
     """select_chain as it was before the depth-first tree search: every path of the tree
     scored separately, and the O(k²·n) back-off frequencies (the exhaustive definition)."""

@@ -143,6 +143,18 @@ def test_lr_schedule():
 
 
 # ----------------------------------------------------------------------- loss
+def _random_heads_loss(H, seed, lm_head, h0, ids, **kw):
+    """3 heads with seeded random weights (norm weights around 1); ``heads_loss`` on them.
+    Returns ``(stats, gradients, heads)``."""
+    heads = DraftHeads(H, 3, eps=1e-6)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+    st = heads_loss(heads, lm_head, h0, ids, **kw)
+    return st, [p.grad.clone() for p in heads.parameters()], heads
+
+
 def test_chunked_loss_equals_unchunked():
     torch.manual_seed(0)
     H, V, B, L = 16, 50, 2, 13
@@ -151,13 +163,7 @@ def test_chunked_loss_equals_unchunked():
     ids = torch.randint(0, V, (B, L))
 
     def run(chunk):
-        heads = DraftHeads(H, 3, eps=1e-6)
-        g = torch.Generator().manual_seed(7)
-        with torch.no_grad():
-            for p in heads.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
-        st = heads_loss(heads, lm_head, h0, ids, chunk_size=chunk, backward=True)
-        return st, [p.grad.clone() for p in heads.parameters()], heads
+        return _random_heads_loss(H, 7, lm_head, h0, ids, chunk_size=chunk, backward=True)
 
     ref, gref, heads = run(None)
     # reference computed by hand, in one piece
@@ -410,13 +416,7 @@ def test_distill_loss_matches_manual_soft_cross_entropy():
     ids = torch.randint(0, V, (B, L))
 
     def run(chunk):
-        heads = DraftHeads(H, 3, eps=1e-6)
-        g = torch.Generator().manual_seed(3)
-        with torch.no_grad():
-            for p in heads.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
-        st = heads_loss(heads, lm_head, h0, ids, chunk_size=chunk, distill_norm=norm)
-        return st, [p.grad.clone() for p in heads.parameters()], heads
+        return _random_heads_loss(H, 3, lm_head, h0, ids, chunk_size=chunk, distill_norm=norm)
 
     ref, gref, heads = run(None)
     with torch.no_grad():

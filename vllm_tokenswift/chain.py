@@ -74,6 +74,15 @@ class Chain:
         return self
 
 
+def mix_estimate(p: float | None, f: float | None, mix: float = DEFAULT_MIX) -> float:
+    """One token's acceptance estimate ``q`` (module doc): ``λ·p + (1-λ)·f`` when both the
+    draft probability ``p`` and the n-gram frequency ``f`` are known, the known one
+    alone otherwise, 0 when neither is."""
+    if p is None:
+        return f if f is not None else 0.0
+    return p if f is None else mix * p + (1.0 - mix) * f
+
+
 def score_chain(chain: Sequence[int], context: list[int], prob: Callable[[int, int], float | None],
                 table: NGramTable | None, num_dists: int, mix: float = DEFAULT_MIX,
                 backoff: Sequence[float | None] | None = None) -> tuple[float, list[float]]:
@@ -103,13 +112,7 @@ def score_chain(chain: Sequence[int], context: list[int], prob: Callable[[int, i
                 f = table.counts.get(ctx + (tok,), 0) / cnt
             elif backoff is not None and i < len(backoff):
                 f = backoff[i]
-        p = prob(i, tok) if i < num_dists else None
-        if p is None:
-            q = f if f is not None else 0.0
-        elif f is None:
-            q = p
-        else:
-            q = mix * p + (1.0 - mix) * f
+        q = mix_estimate(prob(i, tok) if i < num_dists else None, f, mix)
         cum *= q
         total += cum
         qs.append(q)
@@ -220,13 +223,7 @@ def _best_tree_path(tree_tokens: Sequence[Sequence[int]], depth: int, context: l
             f_ctx = (ctx, cnt) if cnt else None
         for tok in tree_tokens[i]:
             f = table.counts.get(f_ctx[0] + (tok,), 0) / f_ctx[1] if f_ctx is not None else None
-            p = prob(i, tok) if i < num_dists else None
-            if p is None:
-                q = f if f is not None else 0.0
-            elif f is None:
-                q = p
-            else:
-                q = mix * p + (1.0 - mix) * f
+            q = mix_estimate(prob(i, tok) if i < num_dists else None, f, mix)
             c = cum * q
             path.append(tok)
             visit(i + 1, c, total + c, tail + [tok] if m else tail)
@@ -262,8 +259,7 @@ def extend_chain(chain: Chain, context: list[int], table: NGramTable, max_len: i
         tok, f = nxt
         d = len(chain.tokens)
         if prob is not None and d < num_dists:
-            p = prob(d, tok)
-            f = f if p is None else mix * p + (1.0 - mix) * f
+            f = mix_estimate(prob(d, tok), f, mix)
         if cum * f < min_conf:
             break
         cum *= f
@@ -322,7 +318,9 @@ def build_chain(context: Sequence[int], top_tokens: Sequence[Sequence[int]],
     N-gram part: every retrieved n-gram is scored like :func:`score_chain`, with the
     back-off frequencies of :func:`backoff_frequencies`. The best chain is then
     extended with the table's most frequent continuations while ``Π q_i >= min_conf``
-    (the policy cuts it further with calibrated estimates).
+    (the policy cuts it further with calibrated estimates), taking first the token after
+    the latest earlier occurrence of the last ``long_n`` tokens (:func:`extend_chain` with
+    ``recent``), as the n-gram-only chains do.
 
     Args:
         context: request tokens up to the newest token ``x``.
@@ -349,18 +347,13 @@ def build_chain(context: Sequence[int], top_tokens: Sequence[Sequence[int]],
         cnt = table.ctx_counts.get(ctx) if len(ctx) == m else None
         return table.counts.get(ctx + (tok,), 0) / cnt if cnt else None
 
-    def mixq(p, f):
-        if p is None:
-            return f if f is not None else 0.0
-        return p if f is None else mix * p + (1.0 - mix) * f
-
     # tree part: greedy by depth
     toks: list[int] = []
     qs: list[float] = []
     for d in range(min(D, max_len)):
         best_t, best_q = None, -1.0
         for tok in top_tokens[d]:
-            q = mixq(prob(d, tok), f_of(tail, tok))
+            q = mix_estimate(prob(d, tok), f_of(tail, tok), mix)
             if q > best_q:
                 best_t, best_q = tok, q
         if best_t is None:
@@ -387,7 +380,7 @@ def build_chain(context: Sequence[int], top_tokens: Sequence[Sequence[int]],
                     if f is None:
                         pre = tuple(gram[: i + 2]) if skip else tuple(gram[: i + 1])
                         f = freq.get(pre) if len(pre) >= 2 else None
-                    cq.append(mixq(prob(i, tok) if i < D else None, f))
+                    cq.append(mix_estimate(prob(i, tok) if i < D else None, f, mix))
                     ctx_tail.append(tok)
                 e = _expected(cq)
                 if e > best_e:
@@ -398,23 +391,7 @@ def build_chain(context: Sequence[int], top_tokens: Sequence[Sequence[int]],
         cum = 1.0
         for q in qs:
             cum *= q
-        ext = (list(context[-m:]) + chain.tokens)[-m:]
-        while len(chain.tokens) < max_len:
-            nxt = table.best_next(ext)
-            if nxt is None:
-                break
-            tok, f = nxt
-            d = len(chain.tokens)
-            q = mixq(prob(d, tok) if d < D else None, f)
-            if cum * q < min_conf:
-                break
-            cum *= q
-            chain.expected_len += cum
-            chain.tokens.append(tok)
-            chain.sources.append(SOURCE_NGRAM)
-            chain.confs.append(q)
-            ext.append(tok)
-            ext = ext[-m:]
+        extend_chain(chain, context, table, max_len, min_conf, cum, prob, D, mix, recent=True)
     return chain
 
 

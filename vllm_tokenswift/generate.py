@@ -480,14 +480,9 @@ def _demo_json(res: dict) -> dict:
 
 # ---------------------------------------------------------------- command line
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2",
-                   help="target model: smollm2 (default: SmolLM2-135M-Instruct, converted once by "
-                        "fetch-model), tiny (the bundled 12.6M demo model), or a folder / hub id")
-    p.add_argument("--heads", default=None,
-                   help="TokenSwift heads folder (default: the heads bundled for --model)")
-    p.add_argument("--yarn", type=float, default=None, metavar="FACTOR",
-                   help="extend the model's window FACTOR times with YaRN rope scaling (e.g. 2: "
-                        "SmolLM2's 8,192 tokens -> 16,384; quality degrades past the trained window)")
+    from vllm_tokenswift.models import add_target_args
+
+    add_target_args(p)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--min-p", type=float, default=0.0)

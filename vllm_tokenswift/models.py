@@ -580,3 +580,28 @@ def model_window(model: str | os.PathLike, yarn: float | None = None) -> int | N
     if not cfg or not cfg.get("max_position_embeddings"):
         return None
     return int(int(cfg["max_position_embeddings"]) * (float(yarn) if yarn else 1.0))
+
+
+def add_target_args(parser, *, heads: str | None = "TokenSwift heads folder (default: the heads "
+                                                      "bundled for --model)",
+                    yarn_note: str = "") -> None:
+    """Add the command-line options that name the target: ``--model`` (``smollm2``,
+    ``tiny``, a folder or a hub id; resolved by :func:`resolve_target`), ``--heads``
+    (omitted when ``heads`` is None; ``heads`` is its help text) and ``--yarn FACTOR``
+    (:func:`yarn_overrides`). One definition for ``generate``/``demo``, ``bench``,
+    ``train-heads`` and ``eval-heads``.
+
+    Args:
+        parser: an ``argparse`` parser or argument group.
+        heads: help text of ``--heads``, or None for commands without heads.
+        yarn_note: appended to ``--yarn``'s help.
+    """
+    parser.add_argument("--model", default="smollm2",
+                        help="target model: smollm2 (default: SmolLM2-135M-Instruct, converted once by "
+                             "fetch-model), tiny (the bundled 12.6M demo model), or a folder / hub id")
+    if heads is not None:
+        parser.add_argument("--heads", default=None, help=heads)
+    parser.add_argument("--yarn", type=float, default=None, metavar="FACTOR",
+                        help="extend the model's window FACTOR times with YaRN rope scaling (e.g. 2: "
+                             "SmolLM2's 8,192 tokens -> 16,384; quality degrades past the trained "
+                             "window)" + yarn_note)

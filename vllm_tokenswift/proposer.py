@@ -624,10 +624,7 @@ class TokenSwiftProposer:
                             with_l0: bool) -> None:
         """Chains from draft logits ``[n, D, V]`` of the rows ``idx`` (adaptive policy)."""
         cfg = self.cfg
-        sel = [rows[j] for j in idx]
-        if cfg.draft_penalty:
-            logits = self._apply_request_filters(sel, logits)
-        probs = torch.softmax(logits, dim=-1)
+        sel, probs = self._draft_probs(rows, idx, logits)
         n, D, _ = probs.shape
         greedy = [k for k, r in enumerate(sel) if not r.state.sampled]
         if greedy:
@@ -671,15 +668,21 @@ class TokenSwiftProposer:
             chains[idx[k]] = self._cut(ch, r, threshold)
             q_rows[idx[k]] = (probs[k], list(range(depth)))
 
+    def _draft_probs(self, rows, idx, logits) -> tuple[list[_Row], torch.Tensor]:
+        """The rows ``idx`` and their draft distributions: softmax of ``logits``
+        ``[n, D, V]`` after each request's penalty, temperature and min_p (with
+        ``draft_penalty``), float, same shape."""
+        sel = [rows[j] for j in idx]
+        if self.cfg.draft_penalty:
+            logits = self._apply_request_filters(sel, logits)
+        return sel, torch.softmax(logits, dim=-1)
+
     def _paper_chains(self, rows, idx, logits, chains, q_rows) -> None:
         """The paper policy's chains: the best path of the ``[1, 3, 3, 3]`` tree and the
         n-grams (:func:`select_chain`) for greedy requests; draws from q plus confident
         n-gram continuations for sampled ones."""
         cfg = self.cfg
-        sel = [rows[j] for j in idx]
-        if cfg.draft_penalty:
-            logits = self._apply_request_filters(sel, logits)
-        probs = torch.softmax(logits, dim=-1)
+        sel, probs = self._draft_probs(rows, idx, logits)
         n, D, _ = probs.shape
         tmax = max(cfg.tree[:D])
         top_p, top_i = probs.topk(tmax, dim=-1)

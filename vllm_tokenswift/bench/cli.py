@@ -47,6 +47,7 @@ def _method_config(s: str) -> tuple[str, Any]:
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register the ``bench`` sub-command on an argparse ``subparsers`` object."""
     from vllm_tokenswift.bench import harness as h
+    from vllm_tokenswift.models import add_target_args
 
     p = subparsers.add_parser(
         "bench", help="benchmark AR / TokenSwift / n-gram / suffix decoding with vLLM offline",
@@ -67,14 +68,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1, help="timed runs per setting (default 1)")
     p.add_argument("--out", default=os.path.join("runs", "bench-" + time.strftime("%Y%m%d-%H%M%S")),
                    help="output folder (default runs/bench-TIMESTAMP)")
-    p.add_argument("--model", default=h.DEFAULT_MODEL,
-                   help="target model: smollm2 (default: SmolLM2-135M-Instruct, converted once), tiny "
-                        "(the bundled 12.6M demo model) or a folder")
-    p.add_argument("--heads", default=None,
-                   help="TokenSwift heads folder (default: the heads bundled for --model)")
-    p.add_argument("--yarn", type=float, default=None, metavar="FACTOR",
-                   help="extend the model's window FACTOR times with YaRN rope scaling (vLLM "
-                        "hf_overrides); quality degrades past the trained window")
+    add_target_args(p, yarn_note="; bench then picks its default lengths from the longer window")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
     p.add_argument("--prompt-files", nargs="+", default=None,
                    help=".txt prompts (tokenized) or .json token-id lists; default: bundled prompts")

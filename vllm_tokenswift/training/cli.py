@@ -11,6 +11,8 @@ import argparse
 import json
 import sys
 
+from vllm_tokenswift.models import add_target_args
+
 _DATA_HELP = ("training text: JSON Lines file with a \"text\" field per line, a .txt file, or a folder "
               "of .txt files. Each document is cut to its first --seq-len tokens")
 _PACK_HELP = ("documents shorter than --seq-len are packed (concatenated, EOS-separated, cut into "
@@ -40,9 +42,8 @@ def add_parser(subparsers) -> None:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    tr.add_argument("--model", default="smollm2",
-                    help="base model (frozen): 'smollm2' (SmolLM2-135M-Instruct, the default; converted "
-                         "on first use), 'tiny' (the bundled 12.6M demo model), a folder or a hub id")
+    add_target_args(tr, heads=None, yarn_note=" (the same overrides as generate/bench --yarn); the "
+                                              "base model is frozen")
     tr.add_argument("--data", required=True, help=_DATA_HELP)
     tr.add_argument("--out", required=True, help="output folder for the heads, logs and checkpoint")
     tr.add_argument("--seq-len", type=_positive_int, default=8192,
@@ -59,9 +60,6 @@ def add_parser(subparsers) -> None:
     tr.add_argument("--chunk-size", type=_positive_int, default=1024,
                     help="positions per loss chunk; bounds logits memory to 3 x chunk x vocab")
     tr.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    tr.add_argument("--yarn", type=float, default=None, metavar="FACTOR",
-                    help="extend the model's window FACTOR times with YaRN rope scaling (the same "
-                         "overrides as generate/bench --yarn), e.g. to train or evaluate past 8K")
     tr.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="base model dtype (auto: bfloat16 on CUDA, float32 on CPU; heads stay float32)")
     tr.add_argument("--seed", type=int, default=0, help="seed for RNGs and the data order")
@@ -97,12 +95,10 @@ def add_parser(subparsers) -> None:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    ev.add_argument("--model", default="smollm2",
-                    help="base model: 'smollm2' (default), 'tiny', a folder or a hub id")
-    ev.add_argument("--heads", default=None,
-                    help="heads folder (project format or TokenSwift layout; default: the heads bundled "
-                         "for --model), or 'zero' for untrained heads (W_i = 0), which repeat the base "
-                         "model's prediction at every depth")
+    add_target_args(ev, heads="heads folder (project format or TokenSwift layout; default: the heads "
+                              "bundled for --model), or 'zero' for untrained heads (W_i = 0), which "
+                              "repeat the base model's prediction at every depth",
+                    yarn_note=" (the same overrides as generate/bench --yarn)")
     ev.add_argument("--num-heads", type=_positive_int, default=3, help="number of heads with --heads zero")
     ev.add_argument("--data", required=True, help=_DATA_HELP.replace("training", "held-out"))
     ev.add_argument("--seq-len", type=_positive_int, default=8192, help="tokens per evaluated sequence")
@@ -111,9 +107,6 @@ def add_parser(subparsers) -> None:
     ev.add_argument("--windows-per-doc", type=_positive_int, default=1, metavar="W",
                     help="evaluate each document's first W x --seq-len tokens as W sequences")
     ev.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    ev.add_argument("--yarn", type=float, default=None, metavar="FACTOR",
-                    help="extend the model's window FACTOR times with YaRN rope scaling (the same "
-                         "overrides as generate/bench --yarn), e.g. to train or evaluate past 8K")
     ev.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="model and heads dtype (auto: bfloat16 on CUDA, float32 on CPU)")
     ev.add_argument("--topk", type=_positive_int, default=3, help="k of the top-k accuracy")
