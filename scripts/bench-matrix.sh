@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The benchmark matrix of the README's headline tables, one `vllm-tokenswift bench`
+# invocation per block, each with its own AR baseline, runs interleaved round by round
+# (--interleave). Results go to OUT/<block>/; merge them with `vllm-tokenswift bench-report OUT/* --out DIR`.
+#
+# Usage: scripts/bench-matrix.sh [OUT] [BLOCK ...]
+#   OUT     output folder (default docs/bench/smollm2/matrix)
+#   BLOCK   any of: 2k 6k ablations b8 yarn tiny16k k16 (default: all, in this order)
+#
+# Time on the 2-core CPU (AR about 15 tok/s at 2K context): 2k ~40 min, 6k ~65 min,
+# ablations ~30 min, b8 ~40 min, yarn ~40 min, tiny16k ~25 min, k16 ~15 min. Run nothing else meanwhile:
+# every figure is a ratio to AR of the same round, but a second job still distorts them.
+# Memory: --interleave keeps one engine per method (about 3 GB each for SmolLM2 with a
+# 0.5 GiB KV cache), so a block holds at most 5 methods.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-docs/bench/smollm2/matrix}
+shift || true
+BLOCKS=("$@")
+[ ${#BLOCKS[@]} -eq 0 ] && BLOCKS=(2k 6k ablations b8 yarn tiny16k k16)
+TS=.venv/bin/vllm-tokenswift
+PEERS=ar,tokenswift,ngram,ngram-best,suffix
+
+run() {  # run NAME ARGS...: one invocation unless its results are already there
+  local name=$1; shift
+  if [ -f "$OUT/$name/results.json" ] && [ -f "$OUT/$name/summary.md" ]; then
+    echo "== $name: already done ($OUT/$name)"; return 0
+  fi
+  echo "== $name: $(date -u +%H:%M:%S) vllm-tokenswift bench $*"
+  "$TS" bench --interleave --out "$OUT/$name" "$@"
+}
+
+for b in "${BLOCKS[@]}"; do
+  case "$b" in
+    2k) run 2k --methods "$PEERS" --gen-lens 2048 --batch-sizes 1 --sampling greedy,paper \
+            --repeats 2 --prefix-len 2048 --kv-cache-gb 0.5 ;;
+    6k) run 6k --methods "$PEERS" --gen-lens 6144 --batch-sizes 1 --sampling greedy,paper \
+            --repeats 1 --prefix-len 2048 --kv-cache-gb 0.5 ;;
+    ablations)
+        run ablations-a --methods ar,tokenswift-paper,tokenswift-noheads,tokenswift-nofused \
+            --gen-lens 2048 --batch-sizes 1 --sampling greedy,paper --repeats 1 --prefix-len 2048 \
+            --kv-cache-gb 0.5
+        run ablations-b --methods ar,tokenswift-k0,tokenswift-fullkv,tokenswift-static \
+            --gen-lens 2048 --batch-sizes 1 --sampling greedy,paper --repeats 1 --prefix-len 2048 \
+            --kv-cache-gb 0.5 ;;
+    b8) run b8 --methods "$PEERS" --gen-lens 1024 --batch-sizes 8 --sampling greedy,paper \
+            --repeats 1 --prefix-len 2048 --kv-cache-gb 1.25 ;;
+    yarn) run yarn-12k --methods ar,tokenswift --gen-lens 12288 --batch-sizes 1 --sampling paper \
+            --repeats 1 --prefix-len 2048 --yarn 2 --kv-cache-gb 0.75 ;;
+    tiny16k) run tiny-16k --model tiny --k 4 --methods ar,tokenswift,ngram,suffix --gen-lens 16384 \
+            --batch-sizes 1 --sampling greedy,paper --repeats 1 --prefix-len 2048 --kv-cache-gb 0.5 ;;
+    k16) run k16-2k --k 16 --methods ar,tokenswift,suffix-16 \
+            --method-config 'suffix-16={"method": "suffix", "num_speculative_tokens": 16, "suffix_decoding_max_cached_requests": 0}' \
+            --gen-lens 2048 --batch-sizes 1 --sampling greedy --repeats 2 --prefix-len 2048 --kv-cache-gb 0.5 ;;
+    *) echo "unknown block $b" >&2; exit 2 ;;
+  esac
+done
+echo "== done $(date -u +%H:%M:%S)"
