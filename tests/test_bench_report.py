@@ -581,7 +581,7 @@ def _fake_engines(monkeypatch, log):
 
     speeds = {"ar": 100.0, "ngram": 150.0}
 
-    def timed(llm, prompts, sp_kw, g, k, plugin_stats=False):
+    def timed(llm, prompts, sp_kw, g, k, plugin_stats=False, collectors=None):
         log.append(("run", llm.name, g, sp_kw.get("temperature")))
         tps = speeds[llm.name] * (1.0 if sum(1 for e in log if e[0] == "run") <= 2 else 0.5)
         return {"tokens_per_s": tps, "num_tokens": g, "wall_s": g / tps}, [[1] * g for _ in prompts]
@@ -629,3 +629,27 @@ def test_bench_cli_interleave_flag():
     assert ap.parse_args(["bench", "--interleave"]).engine_scope == "interleave"
     assert ap.parse_args(["bench", "--engine-scope", "interleave"]).engine_scope == "interleave"
     assert ap.parse_args(["bench"]).engine_scope == "method"
+
+
+def test_spec_counters_from_collectors_outlive_the_registry():
+    """An engine's counters are read from its own collector objects, also after they were
+    unregistered (vLLM does that to the previous engine's metrics when it builds one)."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    reg = CollectorRegistry()
+    drafts = Counter("vllm:spec_decode_num_drafts", "d", ["engine"], registry=reg)
+    toks = Counter("vllm:spec_decode_num_draft_tokens", "t", ["engine"], registry=reg)
+    acc = Counter("vllm:spec_decode_num_accepted_tokens", "a", ["engine"], registry=reg)
+    pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "p", ["engine", "position"], registry=reg)
+    drafts.labels("0").inc(3)
+    toks.labels("0").inc(24)
+    acc.labels("0").inc(10)
+    for p, v in ((0, 3), (1, 3), (2, 2), (3, 2)):
+        pos.labels("0", str(p)).inc(v)
+    collectors = [drafts, toks, acc, pos]
+    for c in collectors:
+        reg.unregister(c)
+    drafts.labels("0").inc(1)                      # the engine goes on counting
+    got = report.spec_counters_from_collectors(collectors)
+    assert got == {"num_drafts": 4, "num_draft_tokens": 24, "num_accepted_tokens": 10,
+                   "accepted_per_pos": [3, 3, 2, 2]}

@@ -493,12 +493,27 @@ def teardown_engine(llm: Any) -> None:
     gc.collect()
 
 
-def _spec_counters(llm: Any) -> dict[str, Any]:
+def _spec_counters(llm: Any, collectors: list | None = None) -> dict[str, Any]:
     try:
+        if collectors is not None:
+            return report.spec_counters_from_collectors(collectors)
         return report.spec_counters_from_metrics(llm.get_metrics())
     except Exception:
         logger.debug("get_metrics failed", exc_info=True)
         return report.spec_counters_from_metrics([])
+
+
+def spec_metric_collectors() -> list:
+    """The Prometheus collectors of vLLM's speculative-decoding counters now in this
+    process's registry: those of the engine built last (vLLM unregisters an earlier
+    engine's metrics when it builds the next one; the earlier engine keeps updating its
+    own collectors). Empty when none are registered or the registry has no index."""
+    try:
+        from prometheus_client import REGISTRY
+    except ImportError:
+        return []
+    names = getattr(REGISTRY, "_collector_to_names", None) or {}
+    return [c for c, ns in list(names.items()) if any(str(n).startswith("vllm:spec_decode") for n in ns)]
 
 
 def _plugin_fn(name: str) -> Callable | None:
@@ -578,20 +593,24 @@ def plugin_stats_after(llm: Any, was_reset: bool, before: dict | None, k: int
 # ---------------------------------------------------------------------------
 
 def timed_run(llm: Any, prompts: list[list[int]], sp_kwargs: dict[str, Any], gen_len: int,
-              k: int | None, plugin_stats: bool = False) -> tuple[dict[str, Any], list[list[int]]]:
+              k: int | None, plugin_stats: bool = False, collectors: list | None = None
+              ) -> tuple[dict[str, Any], list[list[int]]]:
     """One timed ``generate`` of ``prompts``; returns ``(record fields, output ids)``.
 
     ``plugin_stats``: also collect the TokenSwift plugin's counters (TokenSwift engines).
+    ``collectors``: read vLLM's speculative-decoding counters from these Prometheus
+    collectors (:func:`spec_metric_collectors` right after this engine was built) instead
+    of ``llm.get_metrics()``, which reads the registry of the engine built last.
     """
     from vllm import SamplingParams
     sp = SamplingParams(max_tokens=gen_len, ignore_eos=True, **sp_kwargs)
     inputs = [{"prompt_token_ids": p} for p in prompts]
-    before = _spec_counters(llm)
+    before = _spec_counters(llm, collectors)
     was_reset, pbefore = plugin_stats_before(llm) if plugin_stats else (False, None)
     t0 = time.perf_counter()
     outs = llm.generate(inputs, sp, use_tqdm=False)
     wall = time.perf_counter() - t0
-    after = _spec_counters(llm)
+    after = _spec_counters(llm, collectors)
     ids = [list(o.outputs[0].token_ids) for o in outs]
     ntok = sum(len(x) for x in ids)
     rec: dict[str, Any] = {"num_tokens": ntok, "wall_s": wall}
@@ -756,7 +775,9 @@ def run_bench(cfg: BenchConfig, progress: bool = True,
             bar.update(len(group) * cfg.repeats)
             teardown_engine(llm)
             return None
-        return {"llm": llm, "spec": spec, "k": (spec or {}).get("num_speculative_tokens"), "is_ts": is_ts}
+        return {"llm": llm, "spec": spec, "k": (spec or {}).get("num_speculative_tokens"), "is_ts": is_ts,
+                # interleave: read this engine's counters from its own collectors
+                "collectors": spec_metric_collectors() if interleave else None}
 
     def run_one(method: str, eng: dict, g: int, b: int, s: str, rep: int) -> None:
         bar.set_postfix_str(f"{method} gen={g} b={b} {s} r{rep}")
@@ -765,7 +786,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True,
         rec["note"] = note
         rec["paired_speedup"] = interleave
         try:
-            fields, ids = timed_run(eng["llm"], prompts_by_b[b], sp_kw, g, eng["k"], plugin_stats=eng["is_ts"])
+            fields, ids = timed_run(eng["llm"], prompts_by_b[b], sp_kw, g, eng["k"], plugin_stats=eng["is_ts"],
+                                    collectors=eng["collectors"])
         except Exception as e:
             msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
             rec.update(status="error", note=f"{type(e).__name__}: {msg}"[:500])

@@ -136,6 +136,32 @@ def spec_counters_from_metrics(metrics: Iterable[Any]) -> dict[str, Any]:
     return out
 
 
+def spec_counters_from_collectors(collectors: Iterable[Any]) -> dict[str, Any]:
+    """:func:`spec_counters_from_metrics` read from Prometheus collector objects
+    (``prometheus_client`` counters, labelled or not) instead of the process registry.
+
+    An engine's counters stay readable through its collector objects after a later
+    engine in the same process replaced them in the registry (vLLM unregisters the
+    previous engine's metrics when it builds a new one), which ``bench --interleave``
+    needs: it keeps several engines alive in one process.
+    """
+    metrics: list[dict[str, Any]] = []
+    for c in collectors:
+        for fam in c.collect():
+            if fam.type != "counter":
+                continue
+            total = [smp for smp in fam.samples if smp.name == fam.name + "_total"]
+            if fam.name == SPEC_PER_POS:
+                by_pos: dict[int, float] = defaultdict(float)
+                for smp in total:
+                    by_pos[int(smp.labels.get("position", 0))] += smp.value
+                n = max(by_pos) + 1 if by_pos else 0
+                metrics.append({"name": fam.name, "values": [by_pos.get(i, 0.0) for i in range(n)]})
+            else:
+                metrics.append({"name": fam.name, "value": sum(smp.value for smp in total)})
+    return spec_counters_from_metrics(metrics)
+
+
 def counter_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """``after - before`` for every numeric key, element-wise for lists and key-wise for
     nested dicts (cumulative counters such as ``steps_by_kind``)."""
