@@ -111,3 +111,36 @@ def test_recent_next_confidence_grows_with_an_exact_loop():
     assert hits == seen and seen >= 4
     assert ctx_f == pytest.approx((hits + 1) / (seen + 2))
     assert ctx_f > 0.8
+
+
+def test_short_next_backs_off_to_shorter_contexts_with_their_own_record():
+    """``short_next``: for contexts the (n-1)-gram never saw, the token after the latest
+    earlier occurrence of the last 2 tokens, else of the last 1 (n = 4), with confidence
+    hits / (repeats + 1) from that short context's own record."""
+    t = NGramTable(4, long_n=8)
+    assert t.short_lens == (2, 1)
+    # (3, 4) is followed by 5, 5, then 6; 7 is followed by 8 once
+    t.extend([3, 4, 5, 1, 3, 4, 5, 2, 3, 4, 6, 7, 8])
+    assert t.short_record[0][(3, 4)] == (2, 1)    # recurred twice, same branch once
+    assert t.short_next([0, 3, 4]) == (6, pytest.approx(1 / 3))
+    assert t.best_next([0, 3, 4]) is None          # the 3-token context (0, 3, 4) is unseen
+    # no 2-token match for (9, 7): the 1-token context 7 (seen once, never recurred)
+    assert t.short_next([9, 7]) == (8, 0.0)
+    assert t.short_next([9, 9]) is None
+    assert NGramTable(4, short=False).short_lens == ()
+    assert NGramTable(3).short_lens == (1,) and NGramTable(2).short_lens == ()
+
+
+def test_ngram_chain_uses_short_contexts_only_once_they_proved_themselves():
+    """A chain falls back on a short context only when its record is positive: a context
+    seen once says nothing (confidence 0, below any floor)."""
+    from vllm_tokenswift.chain import ngram_chain
+
+    t = NGramTable(4)
+    t.extend([1, 2, 9, 5, 1, 2, 9, 6, 1, 2, 9])
+    # (7, 1, 2) never occurred; (1, 2) was followed by 9 every time: record (2, 2) -> 2/3
+    ch = ngram_chain([7, 1, 2], t, max_len=1, min_conf=0.05)
+    assert ch.tokens == [9] and ch.confs == [pytest.approx(2 / 3)]
+    fresh = NGramTable(4)
+    fresh.extend([1, 2, 9, 5])
+    assert ngram_chain([7, 1, 2], fresh, max_len=2, min_conf=0.05).tokens == []

@@ -178,3 +178,49 @@ def test_exploration_backs_off_while_forced_tries_are_not_taken_up():
     st.took(pol.FORWARD, forced=False)        # chosen on its own: back to the short gap
     assert st.explore_gap == EXPLORE_EVERY
     assert forced_at(st.steps + EXPLORE_EVERY) == pol.FORWARD
+
+
+def test_exploration_waits_while_full_chains_are_accepted():
+    """A forced try of the draft forward is deferred while the request's last chain was
+    full length (num_speculative_tokens) and wholly accepted, and happens at the first
+    step after a chain that was not."""
+    from vllm_tokenswift import policy as pol
+    from vllm_tokenswift.proposer import EXPLORE_EVERY
+
+    prop = _proposer(policy="adaptive")
+    prop.calibration = pol.Calibration(positions=4)
+    prop.stats = SimpleNamespace(record_verification=lambda *a: None)
+    st = prop._new_state(_runner(r=1), "r")
+    r = _Row(0, "r", st, pos=10, room=4, context=[1, 2])
+    st.steps = EXPLORE_EVERY
+    prop._account(st, 4, 4)            # 4 of 4 accepted: the chain could not have been longer
+    assert st.all_accepted and prop._row_options(r, has_fused=False).forced is None
+    prop._account(st, 3, 3)            # shorter than num_speculative_tokens
+    assert not st.all_accepted and prop._row_options(r, has_fused=False).forced == pol.FORWARD
+    prop._account(st, 4, 4)
+    assert prop._row_options(r, has_fused=False).forced is None
+    prop._account(st, 4, 2)            # a rejection
+    assert prop._row_options(r, has_fused=False).forced == pol.FORWARD
+
+
+def test_greedy_acceptance_does_not_calibrate_sampled_chains():
+    """N-gram chains verified for a greedy request (accepted when they are the target's
+    argmax) leave the calibration of a sampled request's chains (accepted with the
+    target's probability) at its prior, and raise the greedy one."""
+    from vllm_tokenswift import policy as pol
+    from vllm_tokenswift.chain import SOURCE_NGRAM, Chain
+    from vllm_tokenswift.proposer import _Proposal
+
+    prop = _proposer(policy="adaptive")
+    prop.calibration = pol.Calibration(positions=4)
+    prop.stats = SimpleNamespace(record_verification=lambda *a: None)
+    greedy = prop._new_state(SimpleNamespace(requests={"g": SimpleNamespace(sampling_params=SimpleNamespace(
+        temperature=0.0, min_p=0.0, repetition_penalty=1.0, extra_args=None, seed=None))}), "g")
+    assert not greedy.sampled
+    chain = Chain([5, 6, 7, 8], [SOURCE_NGRAM] * 4, 0.0, [0.55] * 4)
+    prior = prop._calibrated_cum(chain, sampled=True).copy()
+    for _ in range(50):
+        greedy.last = _Proposal(pol.NGRAM, list(chain.sources), list(chain.confs))
+        prop._account(greedy, 4, 4)
+    np.testing.assert_allclose(prop._calibrated_cum(chain, sampled=True), prior)
+    assert prop._calibrated_cum(chain, sampled=False)[-1] > prior[-1] + 0.3

@@ -253,7 +253,8 @@ def extend_chain(chain: Chain, context: list[int], table: NGramTable, max_len: i
     keep = max(table.n - 1, table.long_n if recent else 0)
     ext_ctx = list(context[-keep:]) + chain.tokens
     while len(chain.tokens) < max_len:
-        nxt = (table.recent_next(ext_ctx) if recent else None) or table.best_next(ext_ctx)
+        nxt = ((table.recent_next(ext_ctx) if recent else None) or table.best_next(ext_ctx)
+               or (table.short_next(ext_ctx) if recent else None))
         if nxt is None:
             break
         tok, f = nxt

@@ -19,7 +19,13 @@ accepted. It answers three questions in O(1) or O(k):
   branches that the (n-1)-token context cannot tell apart, the longer match
   follows the branch taken last time (O(1), one dict entry per token). Its
   confidence is the better of the n-gram frequency and the rule's own record for
-  that long context (how often "the branch taken last time" was taken again).
+  that long context (how often "the branch taken last time" was taken again);
+* :meth:`NGramTable.short_next` — the same rule on contexts shorter than the
+  n-gram's (2 tokens, then 1), the back-off when neither the long context nor the
+  (n-1)-token context was ever seen (suffix decoding likewise drafts from the
+  longest suffix that matched, however short); its confidence is that context's
+  own record only, so the drafting policy's calibration sees how little it is
+  worth.
 
 All state is plain Python (dicts and lists of ints); no tensors.
 """
@@ -79,17 +85,21 @@ class NGramTable:
         long_n: context length :meth:`recent_next` matches (default
             ``max(DEFAULT_LONG_N, n)``; 0: off).
 
+        short: back off to :meth:`short_next` (contexts of ``n-2`` down to 1 tokens,
+            at most 2 of them) when the long and the ``(n-1)``-token contexts are unknown.
+
     Raises:
         ValueError: ``n < 2``, or ``long_n`` neither 0 nor ``>= n``.
 
     Memory: O(number of distinct n-grams) Python objects, about 0.3 KB each, plus
-    up to two dict entries per token for :meth:`recent_next`.
+    up to two dict entries per token for :meth:`recent_next` and up to two per
+    short context length for :meth:`short_next`.
     """
 
     __slots__ = ("n", "long_n", "tokens", "counts", "ctx_counts", "ctx_best", "by_first", "after",
-                 "after_record")
+                 "after_record", "short_lens", "short_after", "short_record")
 
-    def __init__(self, n: int = 4, long_n: int | None = None):
+    def __init__(self, n: int = 4, long_n: int | None = None, short: bool = True):
         if n < 2:
             raise ValueError(f"n-gram order must be >= 2, got {n}")
         if long_n is None:
@@ -111,6 +121,11 @@ class NGramTable:
         # (n-1)-gram context -> (most frequent next token, its count)
         self.ctx_best: dict[tuple[int, ...], tuple[int, int]] = {}
         self.by_first: dict[int, _SortedByCount] = {}
+        # short contexts (longest first): last L tokens -> index of the token after their
+        # latest occurrence, and (repeats, hits) as for the long context
+        self.short_lens: tuple[int, ...] = tuple(range(min(n - 2, 2), 0, -1)) if short else ()
+        self.short_after: list[dict] = [{} for _ in self.short_lens]
+        self.short_record: list[dict] = [{} for _ in self.short_lens]
 
     def __len__(self) -> int:
         """Number of tokens indexed so far."""
@@ -138,6 +153,14 @@ class NGramTable:
                     seen, hits = record.get(key, (0, 0))
                     record[key] = (seen + 1, hits + (toks[prev] == t))
                 after[key] = len(toks)   # the token appended now follows them
+            for m, d, rec in zip(self.short_lens, self.short_after, self.short_record):
+                if len(toks) >= m:
+                    key = tuple(toks[-m:])
+                    prev = d.get(key)
+                    if prev is not None:
+                        seen, hits = rec.get(key, (0, 0))
+                        rec[key] = (seen + 1, hits + (toks[prev] == t))
+                    d[key] = len(toks)
             toks.append(t)
             if len(toks) < n:
                 continue
@@ -222,6 +245,24 @@ class NGramTable:
         if rec is not None:
             f = max(f, (rec[1] + 1) / (rec[0] + 2))
         return tok, f
+
+    def short_next(self, context: Sequence[int]) -> tuple[int, float] | None:
+        """Back-off for contexts the n-gram never saw: the token that followed the latest
+        earlier occurrence of the last ``L`` tokens, for the longest ``L`` of
+        :attr:`short_lens` (``n-2`` down to 1, at most 2) that occurred before, with the
+        confidence ``hits / (repeats + 1)`` of that context's own record (0 until the
+        context has recurred: one occurrence says nothing of how often the text repeats
+        after it). None when no short context matches (or ``short`` is off)."""
+        for m, d, rec in zip(self.short_lens, self.short_after, self.short_record):
+            if len(context) < m:
+                continue
+            key = tuple(context[-m:])
+            j = d.get(key)
+            if j is None:
+                continue
+            seen, hits = rec.get(key, (0, 0))
+            return self.tokens[j], hits / (seen + 1)
+        return None
 
     def best_next(self, context: Sequence[int]) -> tuple[int, float] | None:
         """Most frequent continuation of ``context[-(n-1):]`` and its conditional frequency."""

@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from vllm_tokenswift import policy as pol
-from vllm_tokenswift.chain import (SOURCE_FUSED, SOURCE_HEADS, SOURCE_NGRAM, Chain, build_chain,
+from vllm_tokenswift.chain import (SOURCE_FUSED, SOURCE_HEADS, Chain, build_chain,
                                    extend_chain, ngram_chain, select_chain)
 from vllm_tokenswift.config import ADDITIONAL_CONFIG_KEY, TokenSwiftConfig, TokenSwiftConfigError
 from vllm_tokenswift.draft_forward import TargetAccess, tp_all_gather, tp_broadcast_from_rank0
@@ -74,6 +74,17 @@ COST_SYNC_EVERY = 16
 NGRAM_FLOOR = 0.05
 
 
+def _calibration_keys(sources, sampled: bool) -> list[int]:
+    """The calibration's source keys of a chain's tokens: the token's source, offset by 10
+    for sampled requests. A greedy request's draft is accepted when it is the target's
+    argmax; a sampled request's point-mass draft (an n-gram token) with the target's
+    probability of it, and a drawn one with min(1, p/q): the same confidence means
+    different acceptance, so the two groups are calibrated apart (one engine serving a
+    looping greedy request would otherwise tell sampled requests that n-gram chains pay)."""
+    off = 10 if sampled else 0
+    return [s + off for s in sources]
+
+
 @dataclass
 class _Proposal:
     """What the proposer handed to vLLM for one request last step (for accounting)."""
@@ -81,7 +92,6 @@ class _Proposal:
     kind: str = pol.NONE
     sources: list = field(default_factory=list)
     confs: list = field(default_factory=list)
-    sampled: bool = False
 
 
 @dataclass
@@ -102,6 +112,7 @@ class _RequestState:
     steps: int = 0
     tried: dict = field(default_factory=dict)          # kind -> step it was last taken
     explore_gap: int = EXPLORE_EVERY                    # steps between forced tries
+    all_accepted: bool = False   # last step verified a full-length chain and accepted all of it
     q_row: int = -1          # row of this request in the last draft forward's captured queries
     q_step: int = -1         # step id of that capture
     pen_counts: torch.Tensor | None = None              # [V] int32: tokens in the penalty history
@@ -391,13 +402,14 @@ class TokenSwiftProposer:
     def _account(self, st: _RequestState, num_verified: int, num_accepted: int) -> None:
         """Book last step's proposal of ``st`` as verified (acceptance per source/option)."""
         last = st.last
+        st.all_accepted = num_verified >= self.num_spec_tokens and num_accepted >= num_verified
         self.stats.record_verification(last.sources, num_verified, num_accepted,
                                        last.kind if last.sources else None)
         if num_verified <= 0 or not last.sources:
             return
         self.acceptance.record(st.acceptance, last.kind, num_verified, num_accepted)
-        keys = [src + (10 if last.sampled and src != SOURCE_NGRAM else 0) for src in last.sources]
-        self.calibration.update(keys, last.confs, num_verified, num_accepted)
+        self.calibration.update(_calibration_keys(last.sources, st.sampled), last.confs,
+                                num_verified, num_accepted)
 
     # ----------------------------------------------------------------- 3-5. decide, draft, hand over
     def _draft(self, runner, rows: list[_Row], out: list[list[int]]) -> None:
@@ -450,7 +462,7 @@ class TokenSwiftProposer:
                 toks, srcs, confs = ch.tokens[: r.room], ch.sources[: r.room], ch.confs[: r.room]
             out[r.batch_row] = toks
             st = r.state
-            st.last = _Proposal(kind, list(srcs), list(confs), st.sampled and j in q_rows)
+            st.last = _Proposal(kind, list(srcs), list(confs))
             st.took(kind, r.forced)
             self.stats.record_chain(list(srcs), kind)
             if kind in (pol.FUSED, pol.NGRAM):
@@ -475,7 +487,10 @@ class TokenSwiftProposer:
             forced = pol.KINDS[st.steps % len(pol.KINDS)]
             if forced not in cums:
                 forced = pol.NGRAM if pol.NGRAM in cums else pol.NONE
-        elif self.cfg.policy == "adaptive" and st.steps > 2:
+        elif self.cfg.policy == "adaptive" and st.steps > 2 and not st.all_accepted:
+            # A request whose last chain was full length and wholly accepted (a text that
+            # repeats itself) defers its forced try: no option can yield more than a
+            # full-length accepted chain, so the try could only lose a step.
             for kind in (pol.FORWARD, pol.FUSED):
                 if kind in cums and st.steps - st.tried.get(kind, 0) >= st.explore_gap:
                     forced = kind
@@ -483,8 +498,8 @@ class TokenSwiftProposer:
         return pol.RowOptions(cums, forced)
 
     def _calibrated_cum(self, ch: Chain, sampled: bool) -> np.ndarray:
-        probs = [self.calibration.prob(s + (10 if sampled and s != SOURCE_NGRAM else 0), j, c)
-                 for j, (s, c) in enumerate(zip(ch.sources, ch.confs))]
+        probs = [self.calibration.prob(key, j, c)
+                 for j, (key, c) in enumerate(zip(_calibration_keys(ch.sources, sampled), ch.confs))]
         return np.cumprod(np.asarray(probs, dtype=np.float64))
 
     def _cut(self, ch: Chain, r: _Row, threshold: float) -> Chain:
