@@ -653,3 +653,24 @@ def test_spec_counters_from_collectors_outlive_the_registry():
     got = report.spec_counters_from_collectors(collectors)
     assert got == {"num_drafts": 4, "num_draft_tokens": 24, "num_accepted_tokens": 10,
                    "accepted_per_pos": [3, 3, 2, 2]}
+
+
+def test_summary_carries_the_step_breakdown_table(tmp_path):
+    """summary.md has the per-step time split, the decision mix and the accepted draft
+    tokens per step of each kind (two repeats summed: 60 forward steps accepted 118)."""
+    recs = [_rec("ar", 100.0, gen=1000),
+            *[_rec("tokenswift", 200.0, gen=1000, rep=i, mean_accepted_length=2.5, time_draft_s=1.0,
+                   time_verify_s=3.0, steps_by_kind={"forward": 30, "fused": 10, "ngram": 0, "none": 360},
+                   accepted_by_kind={"forward": 59, "fused": 11, "ngram": 0, "none": 0})
+              for i in range(2)]]
+    rows = report.summarize(recs)
+    table = report.step_breakdown_table(rows).splitlines()
+    assert len(table) == 4 and table[0].startswith("| method | sampling | batch | gen_len |")
+    ar, ts = table[2], table[3]
+    assert ar.startswith("| ar | greedy | 1 | 1000 | 1000 | 1.00 | 10.0 | 0.0 | 10.0 | 0.0 | – | – |")
+    # 400 steps per request; 5 s wall -> 12.5 ms per step, 1 s proposer -> 2.5, 3 s -> 7.5
+    assert ts == "| tokenswift | greedy | 1 | 1000 | 400 | 2.50 | 12.5 | 2.5 | 7.5 | 2.5 | 8/2/0/90 | 1.97/1.10/– |"
+    paths = report.write_report(recs, str(tmp_path), plots=False)
+    md = open(paths["markdown"]).read()
+    assert "## Where a TokenSwift step's time goes" in md and ts in md
+    assert report.step_breakdown_table(report.summarize([_rec("ar", 100.0, gen=1000)])) == ""

@@ -440,6 +440,15 @@ def write_markdown(records: list[dict], path: str, meta: dict | None = None) -> 
             "chain alone / no draft, TokenSwift only); distinct-n per output, averaged (Table 6).", "", markdown_table(rows), "",
             "Figures: `speedup_vs_gen_len.png`, `acceptance_vs_gen_len.png`, "
             "`tokenswift_time_breakdown.png`.", ""]
+    steps = step_breakdown_table(rows)
+    if steps:
+        out += ["## Where a TokenSwift step's time goes", "",
+                "Milliseconds per engine step (all repeats): TokenSwift's proposer (its draft "
+                "forward and fused heads included), verification (the rest of the worker's step: "
+                "the target's forward and the rejection sampler; AR: the decode step) and the rest "
+                "of the wall time (scheduler, front end), next to AR's step at the same setting. "
+                "Steps per request count every engine step, plain ones included. Accepted per "
+                "step: accepted draft tokens per step of that kind.", "", steps, ""]
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(out))
     return path
@@ -508,6 +517,38 @@ def step_breakdown(rows: list[dict]) -> list[dict]:
                     "verify_ms": v, "other_ms": max(0.0, step - d - v),
                     "decision_mix": decision_mix_fractions(r.get("steps_by_kind"))})
     return out
+
+
+def step_breakdown_table(rows: list[dict]) -> str:
+    """Markdown table of :func:`step_breakdown` for :func:`summarize` rows ("" when no
+    TokenSwift row has timings): per setting, AR's step next to TokenSwift's, split into
+    the proposer (draft forward and fused heads included), verification (the rest of the
+    worker's step) and the rest of the wall time, with the decision mix and, per step
+    kind, the accepted draft tokens per step of that kind (``accepted_by_kind`` /
+    ``steps_by_kind``)."""
+    bars = step_breakdown(rows)
+    if not any(b["method"] != "ar" for b in bars):
+        return ""
+    by_key = {(r["method"], r["sampling"], r["batch_size"], r["gen_len"]): r for r in rows}
+    lines = ["| method | sampling | batch | gen_len | steps per request | tokens per step | "
+             "ms per step | proposer ms | verification ms | other ms | "
+             "decision mix % fwd/fused/ngram/none | accepted per step fwd/fused/ngram |",
+             "|" + "|".join(["---"] * 12) + "|"]
+    for b in bars:
+        r = by_key.get((b["method"], b["sampling"], b["batch_size"], b["gen_len"]), {})
+        steps = (b["gen_len"] / b["tokens_per_step"]) if b["tokens_per_step"] else None
+        sbk, abk = r.get("steps_by_kind"), r.get("accepted_by_kind")
+        per = "–"
+        if isinstance(sbk, dict) and isinstance(abk, dict):
+            per = "/".join(_fmt((abk.get(k) or 0) / sbk[k], 2) if sbk.get(k) else "–"
+                           for k in ("forward", "fused", "ngram"))
+        mix = format_decision_mix(sbk) if b["method"] != "ar" else None
+        lines.append("| " + " | ".join([
+            str(b["method"]), str(b["sampling"]), str(b["batch_size"]), str(b["gen_len"]),
+            _fmt(steps, 0), _fmt(b["tokens_per_step"], 2), _fmt(b["step_ms"], 1),
+            _fmt(b["draft_ms"], 1), _fmt(b["verify_ms"], 1), _fmt(b["other_ms"], 1),
+            _fmt(mix), per]) + " |")
+    return "\n".join(lines)
 
 
 def write_plots(records: list[dict], out_dir: str) -> list[str]:
