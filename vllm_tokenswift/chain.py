@@ -244,7 +244,8 @@ def extend_chain(chain: Chain, context: list[int], table: NGramTable, max_len: i
         prob: draft distributions for depths below ``num_dists`` (mixed in with λ).
         recent: prefer the continuation of the latest earlier occurrence of the last
             ``table.long_n`` tokens (:meth:`NGramTable.recent_next`; ``context`` must then
-            hold that many tokens) over the most frequent n-gram continuation.
+            hold that many tokens) over the most frequent n-gram continuation, and back
+            off to the short contexts (:meth:`NGramTable.short_next`) when neither is known.
     Each appended token adds its estimate to ``expected_len`` (``+= Π q_i``) and, when
     the chain keeps one confidence per token (``len(confs) == len(tokens)``), its own
     ``q_i`` to ``confs``.
@@ -276,7 +277,8 @@ def extend_chain(chain: Chain, context: list[int], table: NGramTable, max_len: i
 def ngram_chain(context: list[int], table: NGramTable, max_len: int, min_conf: float) -> Chain:
     """Chain from the n-gram table alone (no draft forward): repeatedly, the token that
     followed the latest earlier occurrence of the last ``table.long_n`` tokens, else the
-    most frequent continuation of the last ``n-1`` tokens, while ``Π f_i >= min_conf``
+    most frequent continuation of the last ``n-1`` tokens, else the token after the latest
+    occurrence of the last 2 or 1 tokens (:meth:`NGramTable.short_next`), while ``Π f_i >= min_conf``
     (``f_i``: the n-gram conditional frequency of the token taken). ``expected_len`` is
     ``Σ_j Π_{i<=j} f_i``; ``confs`` holds each ``f_i``. ``context``: the request's tokens
     up to the newest (at least the last ``max(n-1, long_n)``)."""
