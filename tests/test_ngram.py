@@ -109,8 +109,12 @@ def test_recent_next_confidence_grows_with_an_exact_loop():
     assert t.cond_prob([1, 2], ctx_tok) == pytest.approx(0.5, abs=0.1)
     seen, hits = t.after_record[tuple((t.tokens + [1, 2])[-4:])]
     assert hits == seen and seen >= 4
-    assert ctx_f == pytest.approx((hits + 1) / (seen + 2))
-    assert ctx_f > 0.8
+    # the longest context that occurred before (4·long_n = 16 tokens, two loop periods)
+    # answers, with its own record
+    seen16, hits16 = t.longer_record[0][hash(tuple((t.tokens + [1, 2])[-16:]))]
+    assert hits16 == seen16 >= 3
+    assert ctx_f == pytest.approx((hits16 + 1) / (seen16 + 2))
+    assert ctx_f >= 0.8
 
 
 def test_short_next_backs_off_to_shorter_contexts_with_their_own_record():
@@ -144,3 +148,27 @@ def test_ngram_chain_uses_short_contexts_only_once_they_proved_themselves():
     fresh = NGramTable(4)
     fresh.extend([1, 2, 9, 5])
     assert ngram_chain([7, 1, 2], fresh, max_len=2, min_conf=0.05).tokens == []
+
+
+def test_recent_next_tells_a_repeated_phrase_apart_by_the_longer_context():
+    """A loop that says the same 8-token phrase twice per period, followed once by 7 and
+    once by 9 (seen at 6K tokens of SmolLM2's greedy output: chains were cut at that
+    point every period): the last 8 tokens alone alternate between the branches and
+    their record falls to about 1/2, the 16-token context always knows the branch."""
+    phrase = [1, 2, 3, 4, 5, 6, 7, 8]
+    period = phrase + [70] + [20, 21, 22] + phrase + [90] + [30, 31]
+    t = NGramTable(4)            # long_n 8, longer contexts 16 and 32
+    assert t.longer_lens == (32, 16) and t.context_len == 32
+    t.extend(period * 12)
+    for cut in range(len(period)):    # predict every position of the next period
+        ctx = t.tokens + period[:cut]
+        tok, f = t.recent_next(ctx)
+        assert tok == period[cut], cut
+        assert f > 0.9
+    seen, hits = t.after_record[tuple(phrase)]
+    assert hits == 0 and seen > 10            # the 8-token context alone: always the other branch
+    only8 = NGramTable(4)
+    only8.longer_lens, only8.longer_after, only8.longer_record = (), [], []
+    only8.extend(period * 12)
+    # without the longer contexts: the 3-gram frequency 1/2 is all the confidence left
+    assert only8.recent_next(t.tokens + period[:12] + phrase)[1] == pytest.approx(0.5)

@@ -239,3 +239,54 @@ def test_plain_probe_only_when_the_choice_is_close_and_unmeasured():
     assert not pol.needs_plain_probe(plain, close, c, plain_obs=0)         # already plain
     forced = [pol.RowOptions({"ngram": np.array([0.3]), "none": np.zeros(0)}, forced="ngram")]
     assert not pol.needs_plain_probe(pol.decide(forced, c), forced, c, plain_obs=0)
+
+
+def test_ridge_fit_running_sums_equal_the_batch_solution():
+    """The step fit keeps X'X and X'y as running sums over its window (O(1) per step):
+    after many more observations than the window, and at every point in between, its
+    solution equals numpy's ridge solution over the window's rows, non-negativity
+    included."""
+    rng = np.random.default_rng(3)
+    fit = pol._RidgeFit(3, window=16, strength=0.5)
+    prior, scale = [0.02, 0.004, 0.001], [1.0, 1.0, 4.0]
+    for step in range(100):
+        d = int(rng.integers(0, 9)) if step % 3 else 0
+        fit.add((1.0, 1.0 if d else 0.0, d), 0.02 + 0.005 * (d > 0) + 0.002 * d + rng.normal() * 1e-3)
+        X = np.array([r[0] for r in fit.rows])
+        y = np.array([r[1] for r in fit.rows])
+        lam = 0.5 * np.array(scale) ** 2
+        ref = np.linalg.solve(X.T @ X + np.diag(lam), X.T @ y + lam * np.array(prior))
+        got = fit.solve(prior, scale)
+        if (ref >= 0).all():
+            np.testing.assert_allclose(got, ref, rtol=1e-9, atol=1e-12)
+        assert min(got) >= 0.0 and len(fit) == min(step + 1, 16)
+    # a coefficient the data push below zero is fixed at 0 and the rest refitted
+    neg = pol._RidgeFit(2, window=8, strength=1e-6)
+    for d in range(8):
+        neg.add((1.0, d), 0.05 - 0.001 * d)
+    c = neg.solve([0.0, 0.0], [1.0, 1.0])
+    assert c[1] == 0.0 and c[0] == pytest.approx(np.mean([0.05 - 0.001 * d for d in range(8)]), rel=1e-4)
+
+
+def test_acceptance_counts_what_an_option_realises_after_the_cut():
+    """With ``span`` (the option's planned length) a chain that the cut shortened and that
+    was wholly accepted counts its first missing position as reached and not accepted, and
+    an emptied chain counts position 0 so; without it only verified positions count."""
+    d = pol.DepthCounts(4, decay=1.0)
+    d.update(1, 1, span=4)              # cut to 1 token, accepted
+    assert d.reached.tolist() == [1, 1, 0, 0] and d.accepted.tolist() == [1, 0, 0, 0]
+    d.update(0, 0, span=4)              # cut to nothing: the forward realised no draft
+    assert d.reached.tolist() == [2, 1, 0, 0] and d.accepted.tolist() == [1, 0, 0, 0]
+    d.update(4, 2, span=4)              # full chain, a rejection at position 2
+    assert d.reached.tolist() == [3, 2, 1, 0] and d.accepted.tolist() == [2, 1, 0, 0]
+    plain = pol.DepthCounts(4, decay=1.0)
+    plain.update(1, 1)
+    plain.update(0, 0)
+    assert plain.reached.tolist() == [1, 0, 0, 0] and plain.accepted.tolist() == [1, 0, 0, 0]
+    # the decision's estimate of a draft forward whose head tokens are always cut
+    m = pol.AcceptanceModel(4, prior_weight=8.0)
+    req = m.new_request("sampled")
+    for _ in range(200):
+        m.record(req, pol.FORWARD, 1, 1, span=4)
+    cum = m.cumulative(req, pol.FORWARD, 4)
+    assert cum[0] > 0.95 and cum[1] < 0.05

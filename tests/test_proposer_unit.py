@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from vllm_tokenswift.config import TokenSwiftConfig
@@ -224,3 +225,23 @@ def test_greedy_acceptance_does_not_calibrate_sampled_chains():
         prop._account(greedy, 4, 4)
     np.testing.assert_allclose(prop._calibrated_cum(chain, sampled=True), prior)
     assert prop._calibrated_cum(chain, sampled=False)[-1] > prior[-1] + 0.3
+
+
+def test_a_draft_forward_whose_chain_was_cut_away_is_booked():
+    """The draft forward ran but the cut left no draft: the request's forward estimate
+    books position 0 as reached and not accepted (the forward realised nothing), and a
+    chain cut to one accepted token books position 1 so."""
+    from vllm_tokenswift import policy as pol
+    from vllm_tokenswift.proposer import _Proposal
+
+    prop = _proposer(policy="adaptive")
+    prop.calibration = pol.Calibration(positions=4)
+    prop.stats = SimpleNamespace(record_verification=lambda *a: None)
+    st = prop._new_state(_runner(r=1), "r")
+    fwd = st.acceptance[pol.FORWARD]
+    st.last = _Proposal(pol.FORWARD, [], [], span=4)
+    prop._account(st, 0, 0)
+    assert fwd.reached[0] == pytest.approx(1.0) and fwd.accepted[0] == 0.0
+    st.last = _Proposal(pol.FORWARD, [0], [0.9], span=4)
+    prop._account(st, 1, 1)
+    assert fwd.reached[1] > 0.9 and fwd.accepted[1] == 0.0 and fwd.accepted[0] > 0.9

@@ -251,7 +251,7 @@ def extend_chain(chain: Chain, context: list[int], table: NGramTable, max_len: i
     ``q_i`` to ``confs``.
     """
     track = len(chain.confs) == len(chain.tokens)
-    keep = max(table.n - 1, table.long_n if recent else 0)
+    keep = table.context_len if recent else table.n - 1
     ext_ctx = list(context[-keep:]) + chain.tokens
     while len(chain.tokens) < max_len:
         nxt = ((table.recent_next(ext_ctx) if recent else None) or table.best_next(ext_ctx)
@@ -281,7 +281,7 @@ def ngram_chain(context: list[int], table: NGramTable, max_len: int, min_conf: f
     occurrence of the last 2 or 1 tokens (:meth:`NGramTable.short_next`), while ``Π f_i >= min_conf``
     (``f_i``: the n-gram conditional frequency of the token taken). ``expected_len`` is
     ``Σ_j Π_{i<=j} f_i``; ``confs`` holds each ``f_i``. ``context``: the request's tokens
-    up to the newest (at least the last ``max(n-1, long_n)``)."""
+    up to the newest (at least the last :attr:`NGramTable.context_len`)."""
     return extend_chain(Chain([], [], 0.0), context, table, max_len, min_conf, recent=True)
 
 

@@ -14,7 +14,8 @@ accepted. It answers three questions in O(1) or O(k):
 * :meth:`NGramTable.best_next` — the most frequent continuation of an
   (n-1)-token context, used to extend a chain past the heads' depth;
 * :meth:`NGramTable.recent_next` — the token that followed the most recent
-  earlier occurrence of the last ``long_n`` tokens (a longer context than the
+  earlier occurrence of the last ``4·long_n``, ``2·long_n`` or ``long_n`` tokens,
+  the longest that occurred before (a longer context than the
   n-gram's, as prompt-lookup and suffix decoding match): where text repeats with
   branches that the (n-1)-token context cannot tell apart, the longer match
   follows the branch taken last time (O(1), one dict entry per token). Its
@@ -92,12 +93,13 @@ class NGramTable:
         ValueError: ``n < 2``, or ``long_n`` neither 0 nor ``>= n``.
 
     Memory: O(number of distinct n-grams) Python objects, about 0.3 KB each, plus
-    up to two dict entries per token for :meth:`recent_next` and up to two per
-    short context length for :meth:`short_next`.
+    up to two dict entries per token and context length for :meth:`recent_next` (3
+    lengths; the longer two keyed by hash) and for :meth:`short_next` (2 lengths).
     """
 
     __slots__ = ("n", "long_n", "tokens", "counts", "ctx_counts", "ctx_best", "by_first", "after",
-                 "after_record", "short_lens", "short_after", "short_record")
+                 "after_record", "longer_lens", "longer_after", "longer_record", "short_lens",
+                 "short_after", "short_record")
 
     def __init__(self, n: int = 4, long_n: int | None = None, short: bool = True):
         if n < 2:
@@ -126,6 +128,17 @@ class NGramTable:
         self.short_lens: tuple[int, ...] = tuple(range(min(n - 2, 2), 0, -1)) if short else ()
         self.short_after: list[dict] = [{} for _ in self.short_lens]
         self.short_record: list[dict] = [{} for _ in self.short_lens]
+        # longer contexts (4·long_n, 2·long_n tokens), keyed by the tuple's hash: the same
+        # rule as ``after``/``after_record``, tried first (the longest match wins)
+        self.longer_lens: tuple[int, ...] = (4 * long_n, 2 * long_n) if long_n else ()
+        self.longer_after: list[dict[int, int]] = [{} for _ in self.longer_lens]
+        self.longer_record: list[dict[int, tuple[int, int]]] = [{} for _ in self.longer_lens]
+
+    @property
+    def context_len(self) -> int:
+        """Tokens of context the lookups read: ``max(n-1, 4·long_n)`` (callers pass at
+        least this many tokens up to the newest)."""
+        return max(self.n - 1, *self.longer_lens) if self.longer_lens else max(self.n - 1, self.long_n)
 
     def __len__(self) -> int:
         """Number of tokens indexed so far."""
@@ -153,6 +166,14 @@ class NGramTable:
                     seen, hits = record.get(key, (0, 0))
                     record[key] = (seen + 1, hits + (toks[prev] == t))
                 after[key] = len(toks)   # the token appended now follows them
+                for m, d, rec in zip(self.longer_lens, self.longer_after, self.longer_record):
+                    if len(toks) >= m:
+                        h = hash(tuple(toks[-m:]))
+                        prev = d.get(h)
+                        if prev is not None:
+                            seen, hits = rec.get(h, (0, 0))
+                            rec[h] = (seen + 1, hits + (toks[prev] == t))
+                        d[h] = len(toks)
             for m, d, rec in zip(self.short_lens, self.short_after, self.short_record):
                 if len(toks) >= m:
                     key = tuple(toks[-m:])
@@ -225,23 +246,39 @@ class NGramTable:
         return self.counts.get(ctx + (int(token),), 0) / total
 
     def recent_next(self, context: Sequence[int]) -> tuple[int, float] | None:
-        """The token that followed the latest earlier occurrence of ``context[-long_n:]``
-        in the indexed tokens, with a confidence in [0, 1] (the estimate the chain's
+        """The token that followed the latest earlier occurrence of the longest of
+        ``context[-4·long_n:]``, ``context[-2·long_n:]`` and ``context[-long_n:]`` that
+        occurred before (the longest match wins, as in suffix decoding: a text that repeats
+        an 8-token phrase twice in one loop with different continuations is told apart by
+        the longer context), with a confidence in [0, 1] (the estimate the chain's
         calibration is keyed by): the larger of its n-gram conditional frequency
-        (:meth:`cond_prob`) and, once those ``long_n`` tokens recurred, the rule's own
-        record for them, ``(hits + 1) / (repeats + 2)`` (``hits``: times the token after
-        a recurrence equalled the one after the occurrence before it). None when those
-        ``long_n`` tokens never occurred with a successor (or ``long_n`` is 0)."""
+        (:meth:`cond_prob`) and, once that context recurred, the rule's own record for
+        it, ``(hits + 1) / (repeats + 2)`` (``hits``: times the token after a recurrence
+        equalled the one after the occurrence before it). None when not even the last
+        ``long_n`` tokens occurred with a successor (or ``long_n`` is 0). ``context``
+        should hold :attr:`context_len` tokens (fewer: the longer levels are skipped)."""
         L = self.long_n
         if not L or len(context) < L:
             return None
+        for m, d, recs in zip(self.longer_lens, self.longer_after, self.longer_record):
+            if len(context) < m:
+                continue
+            h = hash(tuple(context[-m:]))
+            j = d.get(h)
+            if j is not None:
+                return self._recent(context, j, recs.get(h))
         key = tuple(context[-L:])
         j = self.after.get(key)
         if j is None:
             return None
+        return self._recent(context, j, self.after_record.get(key))
+
+    def _recent(self, context: Sequence[int], j: int, rec: tuple[int, int] | None
+                ) -> tuple[int, float]:
+        """``recent_next``'s answer for a match whose successor is token ``j`` and whose
+        context has the record ``rec`` (repeats, hits) or none yet."""
         tok = self.tokens[j]
         f = self.cond_prob(context, tok)
-        rec = self.after_record.get(key)
         if rec is not None:
             f = max(f, (rec[1] + 1) / (rec[0] + 2))
         return tok, f

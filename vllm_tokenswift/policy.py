@@ -104,40 +104,101 @@ class _RidgeFit:
     window: int = 64
     strength: float = 2.0
     rows: deque = field(default_factory=deque)
+    # running sums of the window's normal equations (X'X, X'y), rebuilt exactly from the
+    # rows every ``window`` additions so that rounding never accumulates
+    _xtx: list = field(default=None, init=False, repr=False)
+    _xty: list = field(default=None, init=False, repr=False)
+    _adds: int = field(default=0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        f = self.features
+        self._xtx = [[0.0] * f for _ in range(f)]
+        self._xty = [0.0] * f
+        for x, y in self.rows:
+            self._accumulate(x, y, 1.0)
+
+    def _accumulate(self, x: tuple, y: float, sign: float) -> None:
+        xtx, xty = self._xtx, self._xty
+        for i, xi in enumerate(x):
+            if xi:
+                xty[i] += sign * xi * y
+                row = xtx[i]
+                for j, xj in enumerate(x):
+                    row[j] += sign * xi * xj
 
     def add(self, x: Sequence[float], y: float) -> None:
-        """One observation: feature vector ``x`` (length ``features``), target ``y``."""
-        self.rows.append((tuple(float(v) for v in x), float(y)))
+        """One observation: feature vector ``x`` (length ``features``), target ``y``.
+        O(features²): the normal equations are kept as running sums over the window."""
+        row = (tuple(float(v) for v in x), float(y))
+        self.rows.append(row)
+        self._accumulate(row[0], row[1], 1.0)
         while len(self.rows) > self.window:
-            self.rows.popleft()
+            old = self.rows.popleft()
+            self._accumulate(old[0], old[1], -1.0)
+        self._adds += 1
+        if self._adds % self.window == 0:
+            self._rebuild()
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def solve(self, prior: Sequence[float], scale: Sequence[float]) -> list[float]:
         """Ridge solution ``c`` (length ``features``, all ``>= 0``); ``scale_i`` is a
-        typical value of feature i, so every prior weighs like ``strength`` observations."""
-        p = np.asarray(prior, dtype=np.float64)
+        typical value of feature i, so every prior weighs like ``strength`` observations.
+
+        Solves ``(X'X + diag(λ)) c = X'y + λ·p`` (``λ_i = strength·scale_i²``) on the
+        coefficients still free, fixing any that come out negative at 0 (at most
+        ``features`` rounds). Plain Python on the kept sums: the systems are 2×2 or 3×3
+        and this runs every engine step, where numpy's per-call overhead dominated."""
+        f = self.features
         if not self.rows:
-            return [max(0.0, float(v)) for v in p]
-        X = np.array([r[0] for r in self.rows], dtype=np.float64)
-        y = np.array([r[1] for r in self.rows], dtype=np.float64)
-        lam = self.strength * np.asarray(scale, dtype=np.float64) ** 2
-        A = X.T @ X + np.diag(lam)
-        rhs = X.T @ y + lam * p
-        free = np.ones(self.features, dtype=bool)
-        c = np.zeros(self.features)
-        for _ in range(self.features):
-            c[:] = 0.0
-            c[free] = np.linalg.solve(A[np.ix_(free, free)], rhs[free])
-            neg = free & (c < 0)
-            if not neg.any():
+            return [max(0.0, float(v)) for v in prior]
+        lam = [self.strength * float(v) ** 2 for v in scale]
+        A = [[self._xtx[i][j] + (lam[i] if i == j else 0.0) for j in range(f)] for i in range(f)]
+        rhs = [self._xty[i] + lam[i] * float(prior[i]) for i in range(f)]
+        free = list(range(f))
+        c = [0.0] * f
+        for _ in range(f):
+            sol = _solve_small([[A[i][j] for j in free] for i in free], [rhs[i] for i in free])
+            c = [0.0] * f
+            for i, v in zip(free, sol):
+                c[i] = v
+            neg = [i for i in free if c[i] < 0]
+            if not neg:
                 break
-            free &= ~neg
-            if not free.any():
-                c[:] = 0.0
+            free = [i for i in free if c[i] >= 0]
+            if not free:
+                c = [0.0] * f
                 break
-        return [float(v) for v in np.maximum(c, 0.0)]
+        return [max(0.0, v) for v in c]
+
+
+def _solve_small(A: list, b: list) -> list:
+    """``A x = b`` for a small dense system (Gaussian elimination, partial pivoting).
+
+    Raises:
+        numpy.linalg.LinAlgError: ``A`` is singular (as ``numpy.linalg.solve``)."""
+    n = len(b)
+    M = [list(map(float, row)) + [float(v)] for row, v in zip(A, b)]
+    for k in range(n):
+        p = max(range(k, n), key=lambda r: abs(M[r][k]))
+        if M[p][k] == 0.0:
+            raise np.linalg.LinAlgError("singular matrix")
+        M[k], M[p] = M[p], M[k]
+        piv = M[k][k]
+        for r in range(k + 1, n):
+            fac = M[r][k] / piv
+            if fac:
+                Mr, Mk = M[r], M[k]
+                for j in range(k, n + 1):
+                    Mr[j] -= fac * Mk[j]
+    x = [0.0] * n
+    for k in range(n - 1, -1, -1):
+        x[k] = (M[k][n] - sum(M[k][j] * x[j] for j in range(k + 1, n))) / M[k][k]
+    return x
 
 
 @dataclass
@@ -227,7 +288,7 @@ class CostModel:
         if self._frozen is not None:
             return dict(self._frozen)
         a_prior = self._a0 if self._a0 is not None else 1.0
-        rows = float(np.mean(self._rows)) if self._rows else 1.0
+        rows = sum(self._rows) / len(self._rows) if self._rows else 1.0
         a, g, b = self._step.solve((a_prior, self.prior_g * a_prior, self.prior_b * a_prior / rows),
                                    (1.0, 1.0, 4.0 * rows))
         a = max(a, 1e-6)
@@ -271,14 +332,22 @@ class DepthCounts:
         self.reached = np.zeros(self.depth)
         self.accepted = np.zeros(self.depth)
 
-    def update(self, num_verified: int, num_accepted: int) -> None:
-        """A chain of ``num_verified`` drafts had its first ``num_accepted`` accepted."""
-        if num_verified <= 0:
+    def update(self, num_verified: int, num_accepted: int, span: int = 0) -> None:
+        """A chain of ``num_verified`` drafts had its first ``num_accepted`` accepted.
+
+        ``span``: the positions the option could have drafted (its planned length). A
+        chain cut shorter than that (by the policy's own cut) and wholly accepted counts
+        its first missing position as reached and not accepted: the option's estimate is
+        then what taking it realises, cut included (a draft forward whose head tokens are
+        always cut yields its l_0 token only, however good the heads' prior says they
+        are; before, those never-verified positions kept their prior of 0.6 and the draft
+        forward looked worth 2.6 tokens while it realised 0.9)."""
+        if num_verified <= 0 and span <= 0:
             return
         self.reached *= self.decay
         self.accepted *= self.decay
-        n = min(num_verified, self.depth)
-        a = min(num_accepted, num_verified)
+        n = min(max(num_verified, span), self.depth)
+        a = max(0, min(num_accepted, num_verified))
         reach = min(n, a + 1)             # positions 0..a were examined (a rejected, if any)
         self.reached[:reach] += 1.0
         self.accepted[: min(a, n)] += 1.0
@@ -328,14 +397,16 @@ class AcceptanceModel:
         req["group"] = group
         return req
 
-    def record(self, req: dict, kind: str, num_verified: int, num_accepted: int) -> None:
+    def record(self, req: dict, kind: str, num_verified: int, num_accepted: int,
+               span: int = 0) -> None:
         """Book one verification of ``kind``'s chain: ``num_verified`` drafts, of which
-        the first ``num_accepted`` were accepted."""
+        the first ``num_accepted`` were accepted; ``span``: the option's planned length
+        (see :meth:`DepthCounts.update`; 0: only the verified positions count)."""
         eng = self._group(req["group"])
         if kind not in eng:
             return
-        eng[kind].update(num_verified, num_accepted)
-        req[kind].update(num_verified, num_accepted)
+        eng[kind].update(num_verified, num_accepted, span)
+        req[kind].update(num_verified, num_accepted, span)
 
     def engine_probs(self, kind: str, group: str = "all") -> np.ndarray:
         """Engine-wide conditional acceptance per position of ``kind`` in ``group``."""

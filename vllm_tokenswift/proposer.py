@@ -92,6 +92,7 @@ class _Proposal:
     kind: str = pol.NONE
     sources: list = field(default_factory=list)
     confs: list = field(default_factory=list)
+    span: int = 0        # draft forward / fused heads: the positions the option could draft
 
 
 @dataclass
@@ -142,7 +143,7 @@ class _Row:
     state: _RequestState
     pos: int                  # position of the newest token x
     room: int                 # most draft tokens that fit before max_model_len
-    context: list             # last max(n-1, long_n) tokens up to x (for n-grams)
+    context: list             # last NGramTable.context_len tokens up to x (for n-grams)
     ngram: Chain | None = None
     verify_index: int = -1    # flat token index of h_{p-1} in this step's verification forward
     forced: bool = False      # the policy must give this row at least one draft (exploration)
@@ -389,7 +390,7 @@ class TokenSwiftProposer:
             if p // bs >= nblk[i]:
                 self.stats.skipped_no_slot += 1
                 continue
-            m = max(st.ngrams.n - 1, st.ngrams.long_n) if st.ngrams is not None else 1
+            m = st.ngrams.context_len if st.ngrams is not None else 1
             ctx = ib.token_ids_cpu[i, max(0, p + 1 - m): p + 1].tolist()
             rows.append(_Row(i, rid, st, p, room, ctx, verify_index=int(qsl[i + 1]) - 1 - (k - a)))
         # the step that just ran verified what we proposed last step: its cost (outside
@@ -405,9 +406,14 @@ class TokenSwiftProposer:
         st.all_accepted = num_verified >= self.num_spec_tokens and num_accepted >= num_verified
         self.stats.record_verification(last.sources, num_verified, num_accepted,
                                        last.kind if last.sources else None)
+        if last.span:
+            # the draft forward or fused heads ran: book what they realised, a chain the
+            # cut emptied or shortened included
+            self.acceptance.record(st.acceptance, last.kind, num_verified, num_accepted, last.span)
         if num_verified <= 0 or not last.sources:
             return
-        self.acceptance.record(st.acceptance, last.kind, num_verified, num_accepted)
+        if not last.span:
+            self.acceptance.record(st.acceptance, last.kind, num_verified, num_accepted)
         self.calibration.update(_calibration_keys(last.sources, st.sampled), last.confs,
                                 num_verified, num_accepted)
 
@@ -452,17 +458,23 @@ class TokenSwiftProposer:
             ch = r.ngram if r.ngram is not None else Chain([], [], 0.0)
             chains[j] = self._cut(ch, r, threshold)
 
+        spans = {pol.FORWARD: cfg.num_draft_distributions,
+                 pol.FUSED: self.heads.num_heads if self.heads is not None else 0}
         any_sampled = False
         for j, r in enumerate(rows):
             ch = chains.get(j)
             kind = kinds[j]
+            # the draft forward / fused heads ran for this row even if the cut left nothing
+            span = (spans.get(kind, 0) and min(r.room, spans[kind])) if ch is not None else 0
             if ch is None or not ch.tokens:
-                kind, toks, srcs, confs = pol.NONE, [], [], []
+                toks, srcs, confs = [], [], []
+                if not span:
+                    kind = pol.NONE
             else:
                 toks, srcs, confs = ch.tokens[: r.room], ch.sources[: r.room], ch.confs[: r.room]
             out[r.batch_row] = toks
             st = r.state
-            st.last = _Proposal(kind, list(srcs), list(confs))
+            st.last = _Proposal(kind, list(srcs), list(confs), span)
             st.took(kind, r.forced)
             self.stats.record_chain(list(srcs), kind)
             if kind in (pol.FUSED, pol.NGRAM):
