@@ -7,6 +7,11 @@ repetition penalty 1.2 over 1,024 tokens), so that slow drift of the machine hit
 every mode alike:
 
 * ``ar``: plain decoding;
+* ``ar-sync``: plain decoding with ``async_scheduling=False``. vLLM 0.32 turns async
+  scheduling off for every draft-model-free speculative method (``custom_class``,
+  ``ngram``, ``suffix``: "Async scheduling not supported with ... speculative
+  decoding"), so ``ar`` vs ``ar-sync`` is what any such engine loses per step before
+  it proposes anything;
 * ``ts-empty``: a TokenSwift engine whose proposer returns no drafts at once (the
   cost of a speculative engine's step itself: scheduler, runner, sampler);
 * ``ts-nodraft``: the proposer accounts and updates its n-gram tables but never
@@ -31,7 +36,7 @@ import os
 import statistics
 import time
 
-MODES = ("ar", "ts-empty", "ts-nodraft", "ts")
+MODES = ("ar", "ar-sync", "ts-empty", "ts-nodraft", "ts")
 
 
 def _patch_empty(worker):
@@ -91,13 +96,14 @@ def main() -> None:
         engines = {}
         for mode in modes:
             spec = None
-            if mode != "ar":
+            if mode not in ("ar", "ar-sync"):
                 spec = {"method": "tokenswift", "model": heads, "num_speculative_tokens": 8,
                         "tokenswift": {"kv_budget": 1024, "log_interval_s": 0}}
             print(f"starting {mode} ...", file=out, flush=True)
             llm = LLM(model=model, dtype="float32", max_model_len=args.prefix_len + args.new_tokens + 64,
                       enforce_eager=True, enable_prefix_caching=True, kv_cache_memory_bytes=2**30, seed=0,
-                      speculative_config=spec, max_num_seqs=1, disable_log_stats=False)
+                      speculative_config=spec, max_num_seqs=1, disable_log_stats=False,
+                      **({"async_scheduling": False} if mode == "ar-sync" else {}))
             if mode == "ts-empty":
                 llm.collective_rpc(_patch_empty)
             elif mode == "ts-nodraft":

@@ -181,3 +181,44 @@ def test_q_reaches_the_rejection_sampler(tmp_path):
     per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"]
     acc0 = per_pos[0] / m["vllm:spec_decode_num_drafts"]
     assert acc0 > 0.9 > 4 * point_mass, (acc0, point_mass)
+
+
+PATTERN_LEN = 8
+
+
+@pytest.fixture(scope="module")
+def repetitive(tmp_path_factory):
+    """A prompt that repeats one 8-token phrase six times: the n-gram table proposes the
+    phrase's continuation as a point mass (q = one-hot) from the first step on, while the
+    windowed repetition penalty pushes the target away from exactly those tokens, the
+    case where a wrong q (or a draft the penalty was not applied to) would show."""
+    d = tmp_path_factory.mktemp("repetitive")
+    model = str(build_tiny_model(d / "model", "llama", vocab_size=VOCAB, hidden_size=128, heads=4,
+                                 kv_heads=2, init_std=0.08, seed=31))
+    heads = str(build_random_heads(d / "heads", 128, seed=32))
+    phrase = random_prompts([PATTERN_LEN], VOCAB, seed=7)[0]["prompt_token_ids"]
+    from vllm.inputs import TokensPrompt
+
+    prompt = [TokensPrompt(prompt_token_ids=phrase * 6)] * N
+    plain = make_llm(model, max_model_len=512)
+    base = token_ids(plain.generate(prompt, _params("paper"), use_tqdm=False))
+    shutdown(plain)
+    spec = {"method": "tokenswift", "model": heads, "num_speculative_tokens": 4,
+            "tokenswift": {"kv_budget": 128, "sink_tokens": 16, "policy": "cycle"}}
+    ts = make_llm(model, spec, max_model_len=512)
+    out = token_ids(ts.generate(prompt, _params("paper"), use_tqdm=False))
+    from vllm_tokenswift.metrics import get_engine_stats
+
+    stats = get_engine_stats(ts)
+    shutdown(ts)
+    return base, out, stats
+
+
+def test_same_distribution_with_ngram_drafts_of_repeated_text(repetitive):
+    base, out, stats = repetitive
+    assert len(base) == len(out) == N and all(len(t) == NEW for t in out)
+    p = _min_pvalue(base, out)
+    assert p >= ALPHA / NEW, f"n-gram drafts of a repeated phrase changed the distribution (min p = {p:.2e})"
+    # the n-gram path was taken, and its point-mass drafts were both accepted and rejected
+    assert stats["steps_by_kind"]["ngram"] > 150, stats["steps_by_kind"]
+    assert 0 < stats["accepted_ngram"] < stats["draft_tokens_ngram"], stats
