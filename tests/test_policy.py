@@ -187,6 +187,29 @@ def test_cost_state_round_trip_and_length_check():
         other.load_state(vec[:6])
 
 
+def test_rank0_keeps_broadcasting_fresh_costs_after_loading_its_own_state():
+    """Under TP every rank, rank 0 included, loads rank 0's state; rank 0's next
+    broadcast must still come from its observations since (not the frozen numbers),
+    while the decisions in between use the frozen numbers on every rank."""
+    rank0, rank1 = pol.CostModel(), pol.CostModel()
+    for _ in range(20):
+        rank0.observe_step(0.10, rows=1, draft_tokens=0)
+        rank1.observe_step(0.30, rows=1, draft_tokens=0)   # a slower rank's own timings
+    vec = rank0.state()
+    rank0.load_state(vec)
+    rank1.load_state(vec)
+    assert rank0.costs() == rank1.costs()
+    assert rank0.costs()["a"] == pytest.approx(0.10, rel=0.05)
+    for _ in range(200):                                   # rank 0's steps get 3x slower
+        rank0.observe_step(0.30, rows=1, draft_tokens=0)
+    assert rank0.costs()["a"] == pytest.approx(0.10, rel=0.05)   # frozen until the next sync
+    fresh = rank0.state()
+    assert fresh[pol.CostModel.KEYS.index("a")] == pytest.approx(0.30, rel=0.05)
+    rank0.load_state(fresh)
+    rank1.load_state(fresh)
+    assert rank0.costs() == rank1.costs() and rank1.costs()["a"] == pytest.approx(0.30, rel=0.05)
+
+
 def test_fixed_price_of_drafting_makes_plain_decoding_win():
     """An n-gram chain with cum [0.15, 0.05]: with g = 0 its first token pays
     (0.15 > b·θ = 0.01·10); with g = 0.02 the best drafting plan makes

@@ -264,7 +264,7 @@ def _first_allowed_cpu() -> int:
     return min(os.sched_getaffinity(0))
 
 
-def _tp2_engine(spec: bool):
+def _tp2_engine(spec: bool, policy: str = "cycle"):
     from vllm import LLM
 
     kw = dict(model=str(ASSETS / "demo-model"), tensor_parallel_size=2,
@@ -273,7 +273,7 @@ def _tp2_engine(spec: bool):
               seed=0, disable_log_stats=False)
     if spec:
         kw["speculative_config"] = {"method": "tokenswift", "model": str(ASSETS / "demo-heads"),
-                                    "num_speculative_tokens": 4, "tokenswift": {"kv_budget": 256, "policy": "cycle"}}
+                                    "num_speculative_tokens": 4, "tokenswift": {"kv_budget": 256, "policy": policy}}
     return LLM(**kw)
 
 
@@ -309,30 +309,51 @@ def test_engine_tp2_lossless(omp_bind):
     base = [list(o.outputs[0].token_ids) for o in plain.generate(prompts, params, use_tqdm=False)]
     shutdown(plain)
 
-    ts = _tp2_engine(spec=True)
-    out = [list(o.outputs[0].token_ids) for o in ts.generate(prompts, params, use_tqdm=False)]
-    # the paper's sampling: drafts drawn from q on every rank (same RNG stream), q handed
-    # to each rank's rejection sampler; the ranks' counters below must still agree
     sampled = SamplingParams(temperature=1.0, min_p=0.1, repetition_penalty=1.2, max_tokens=SAMPLED_TOKENS,
                              ignore_eos=True, extra_args={"repetition_penalty_window": 256})
+    # cycle: the draft forward every fourth step of each request, so the budgeted view is
+    # exercised; adaptive (the default): decisions from measured costs and acceptances,
+    # which must come out identical on both ranks (costs are measured on rank 0 and broadcast)
+    runs = {policy: _tp2_run(policy, prompts, params, sampled) for policy in ("cycle", "adaptive")}
+
+    assert [len(x) for x in base] == [GEN_TOKENS] * len(prompts)
+    for policy, (out, sampled_out, per_rank, metrics) in runs.items():
+        for i, (a, b) in enumerate(zip(base, out)):
+            first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            assert a == b, f"{policy}, prompt {i}: TP=2 TokenSwift differs from TP=2 plain decoding at token {first}"
+        assert [len(o.outputs[0].token_ids) for o in sampled_out] == [SAMPLED_TOKENS] * len(prompts)
+        assert len(per_rank) == 2 and all(s is not None for s in per_rank)
+        assert _stable(per_rank[0]) == _stable(per_rank[1]), f"{policy}: TP ranks took different drafting decisions"
+        assert metrics.get("vllm:spec_decode_num_accepted_tokens", 0) > GEN_TOKENS // 2, (policy, metrics)
+        # every step of every request got a decision on both ranks
+        assert sum(per_rank[0]["steps_by_kind"].values()) > 0, per_rank[0]
+    s = runs["cycle"][2][0]
+    # the budgeted view was selected for every request (the cycle policy runs the draft
+    # forward every fourth step of each request; the adaptive policy, which on the tiny
+    # model runs almost none, would leave the budgeted view untested)
+    assert s["view_selections"] >= len(prompts), s
+    assert s["views_budgeted"] > 0 and s["key_layout"] is not None, s
+    assert s["steps_by_kind"]["forward"] > 0, s
+    # the adaptive policy chose more than one kind of step (the decisions being compared
+    # across ranks are not all the same trivial one)
+    kinds = runs["adaptive"][2][0]["steps_by_kind"]
+    assert sum(1 for v in kinds.values() if v > 0) >= 2, kinds
+
+
+def _tp2_run(policy: str, prompts, greedy, sampled):
+    """One TP=2 TokenSwift engine: greedy outputs, sampled outputs, per-rank stats, metrics."""
+    from engine_utils import shutdown, spec_metrics
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    ts = _tp2_engine(spec=True, policy=policy)
+    out = [list(o.outputs[0].token_ids) for o in ts.generate(prompts, greedy, use_tqdm=False)]
+    # the paper's sampling: drafts drawn from q on every rank (same RNG stream), q handed
+    # to each rank's rejection sampler; the ranks' counters must still agree
     sampled_out = ts.generate(prompts, sampled, use_tqdm=False)
     # finished requests reach the workers at the next step: run one more
     ts.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], SamplingParams(max_tokens=2), use_tqdm=False)
     per_rank = ts.collective_rpc("tokenswift_stats")
     metrics = spec_metrics(ts)
     shutdown(ts)
-
-    assert [len(x) for x in base] == [GEN_TOKENS] * len(prompts)
-    for i, (a, b) in enumerate(zip(base, out)):
-        first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        assert a == b, f"prompt {i}: TP=2 TokenSwift differs from TP=2 plain decoding at token {first}"
-    assert [len(o.outputs[0].token_ids) for o in sampled_out] == [SAMPLED_TOKENS] * len(prompts)
-    assert len(per_rank) == 2 and all(s is not None for s in per_rank)
-    assert _stable(per_rank[0]) == _stable(per_rank[1]), "TP ranks took different drafting decisions"
-    s = per_rank[0]
-    # the budgeted view was selected for every request (the cycle policy runs the draft
-    # forward every fourth step of each request; the adaptive policy, which on the tiny
-    # model now runs almost none, would leave the budgeted view untested)
-    assert s["view_selections"] >= len(prompts), s
-    assert s["views_budgeted"] > 0 and s["key_layout"] is not None, s
-    assert metrics.get("vllm:spec_decode_num_accepted_tokens", 0) > GEN_TOKENS // 2, metrics
+    return out, sampled_out, per_rank, metrics

@@ -287,6 +287,10 @@ class CostModel:
         :meth:`load_state` was called)."""
         if self._frozen is not None:
             return dict(self._frozen)
+        return self._estimate()
+
+    def _estimate(self) -> dict:
+        """This rank's own estimates from its observations (never the frozen ones)."""
         a_prior = self._a0 if self._a0 is not None else 1.0
         rows = sum(self._rows) / len(self._rows) if self._rows else 1.0
         a, g, b = self._step.solve((a_prior, self.prior_g * a_prior, self.prior_b * a_prior / rows),
@@ -301,8 +305,9 @@ class CostModel:
     # ---------------------------------------------------------------- TP sync
     def state(self) -> np.ndarray:
         """The current estimates as a float64 vector in :attr:`KEYS` order (rank 0
-        broadcasts it)."""
-        c = self.costs()
+        broadcasts it). Always this rank's own observations, also after :meth:`load_state`
+        froze what :meth:`costs` returns, so rank 0 keeps broadcasting fresh numbers."""
+        c = self._estimate()
         return np.array([c[k] for k in self.KEYS], dtype=np.float64)
 
     def load_state(self, vec: Sequence[float]) -> None:
