@@ -87,21 +87,28 @@ def _min_pvalue(a: list[list[int]], b: list[list[int]]) -> float:
     return pmin
 
 
+def _tiny_target(d, seed: int) -> tuple[str, str]:
+    """The random target (64-token vocabulary, hidden 128) and random heads for it."""
+    model = str(build_tiny_model(d / "model", "llama", vocab_size=VOCAB, hidden_size=128, heads=4,
+                                 kv_heads=2, init_std=0.08, seed=seed))
+    return model, str(build_random_heads(d / "heads", 128, seed=seed + 1))
+
+
+def _spec(heads: str, policy: str) -> dict:
+    return {"method": "tokenswift", "model": heads, "num_speculative_tokens": 4,
+            "tokenswift": {"kv_budget": 128, "sink_tokens": 16, "policy": policy}}
+
+
 @pytest.fixture(scope="module")
 def samples(tmp_path_factory):
-    d = tmp_path_factory.mktemp("sampled")
-    model = str(build_tiny_model(d / "model", "llama", vocab_size=VOCAB, hidden_size=128, heads=4,
-                                 kv_heads=2, init_std=0.08, seed=11))
-    heads = str(build_random_heads(d / "heads", 128, seed=12))
+    model, heads = _tiny_target(tmp_path_factory.mktemp("sampled"), seed=11)
     prompt = random_prompts([40], VOCAB, seed=3) * N
     plain = make_llm(model, max_model_len=512)
     base = _generate_all(plain, prompt)
     shutdown(plain)
     out, metrics, stats = {}, {}, {}
     for policy in ("adaptive", "cycle"):
-        spec = {"method": "tokenswift", "model": heads, "num_speculative_tokens": 4,
-                "tokenswift": {"kv_budget": 128, "sink_tokens": 16, "policy": policy}}
-        ts = make_llm(model, spec, max_model_len=512)
+        ts = make_llm(model, _spec(heads, policy), max_model_len=512)
         out[policy] = _generate_all(ts, prompt)
         metrics[policy] = spec_metrics(ts)
         from vllm_tokenswift.metrics import get_engine_stats
@@ -192,10 +199,7 @@ def repetitive(tmp_path_factory):
     phrase's continuation as a point mass (q = one-hot) from the first step on, while the
     windowed repetition penalty pushes the target away from exactly those tokens, the
     case where a wrong q (or a draft the penalty was not applied to) would show."""
-    d = tmp_path_factory.mktemp("repetitive")
-    model = str(build_tiny_model(d / "model", "llama", vocab_size=VOCAB, hidden_size=128, heads=4,
-                                 kv_heads=2, init_std=0.08, seed=31))
-    heads = str(build_random_heads(d / "heads", 128, seed=32))
+    model, heads = _tiny_target(tmp_path_factory.mktemp("repetitive"), seed=31)
     phrase = random_prompts([PATTERN_LEN], VOCAB, seed=7)[0]["prompt_token_ids"]
     from vllm.inputs import TokensPrompt
 
@@ -203,9 +207,7 @@ def repetitive(tmp_path_factory):
     plain = make_llm(model, max_model_len=512)
     base = token_ids(plain.generate(prompt, _params("paper"), use_tqdm=False))
     shutdown(plain)
-    spec = {"method": "tokenswift", "model": heads, "num_speculative_tokens": 4,
-            "tokenswift": {"kv_budget": 128, "sink_tokens": 16, "policy": "cycle"}}
-    ts = make_llm(model, spec, max_model_len=512)
+    ts = make_llm(model, _spec(heads, "cycle"), max_model_len=512)
     out = token_ids(ts.generate(prompt, _params("paper"), use_tqdm=False))
     from vllm_tokenswift.metrics import get_engine_stats
 
