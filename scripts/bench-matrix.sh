@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The benchmark matrix of the README's headline tables, one `vllm-tokenswift bench`
 # invocation per block, each with its own AR baseline, runs interleaved round by round
-# (--interleave). Results go to OUT/<block>/; merge them with `vllm-tokenswift bench-report OUT/* --out DIR`.
+# (--interleave). Results go to OUT/<block>/; merge the blocks that share no run with
+# `vllm-tokenswift bench-report OUT/{2k,6k,b8,yarn-12k} --out DIR` (ablations-a and -b each have
+# an AR run at 2K, as does 2k, so they keep their own reports).
 #
 # Usage: scripts/bench-matrix.sh [OUT] [BLOCK ...]
 #   OUT     output folder (default docs/bench/smollm2/matrix)
 #   BLOCK   any of: 2k 6k ablations b8 yarn tiny16k k16 (default: all, in this order)
 #
-# Time on the 2-core CPU (AR about 15 tok/s at 2K context): 2k ~40 min, 6k ~65 min,
-# ablations ~30 min, b8 ~40 min, yarn ~40 min, tiny16k ~25 min, k16 ~15 min. Run nothing else meanwhile:
+# Time on the 2-core CPU (AR about 15 tok/s at 2K context): 2k ~40 min, 6k ~65 min
+# (38 min on 2026-11-26, AR 22 tok/s at 6K), ablations ~30 min (21 min that day), b8 ~40 min, yarn ~40 min, tiny16k ~25 min, k16 ~15 min. Run nothing else meanwhile:
 # every figure is a ratio to AR of the same round, but a second job still distorts them.
 # Memory: --interleave keeps one engine per method (about 3 GB each for SmolLM2 with a
 # 0.5 GiB KV cache), so a block holds at most 5 methods.
