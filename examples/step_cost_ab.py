@@ -26,6 +26,10 @@ are in the prefix cache after the warm-up, so the prefill is short anyway). Prin
 to ``ar``.
 
     python examples/step_cost_ab.py --prefix-len 6000 --new-tokens 300 --repeats 4
+
+``--batch-size B`` sends the prompt B times per run (the engines admit B requests at
+once, the prompt's blocks shared through the prefix cache); the figure is then decode
+time per token of each request, i.e. per engine step of plain decoding.
 """
 
 from __future__ import annotations
@@ -58,10 +62,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--sampling", default="paper", choices=("paper", "greedy"))
+    ap.add_argument("--batch-size", type=int, default=1,
+                    help="requests per run (the same prompt; each run then times engine steps of this batch)")
     ap.add_argument("--json", default=None, help="write all runs here")
     ap.add_argument("--log", default="/tmp/step_cost_ab.log", help="vLLM's own log lines go here")
     args = ap.parse_args()
     modes = args.modes.split(",")
+    if args.batch_size < 1:
+        raise SystemExit("--batch-size must be at least 1")
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise SystemExit(f"unknown modes {bad}; choose from {MODES}")
@@ -102,7 +110,7 @@ def main() -> None:
             print(f"starting {mode} ...", file=out, flush=True)
             llm = LLM(model=model, dtype="float32", max_model_len=args.prefix_len + args.new_tokens + 64,
                       enforce_eager=True, enable_prefix_caching=True, kv_cache_memory_bytes=2**30, seed=0,
-                      speculative_config=spec, max_num_seqs=1, disable_log_stats=False,
+                      speculative_config=spec, max_num_seqs=args.batch_size, disable_log_stats=False,
                       **({"async_scheduling": False} if mode == "ar-sync" else {}))
             if mode == "ts-empty":
                 llm.collective_rpc(_patch_empty)
@@ -116,14 +124,19 @@ def main() -> None:
         for rep in range(args.repeats):
             for mode in modes:
                 t = time.perf_counter()
-                res = engines[mode].generate([prompt], sp, use_tqdm=False)[0]
+                results = engines[mode].generate([prompt] * args.batch_size, sp, use_tqdm=False)
                 wall = time.perf_counter() - t
+                res = results[0]
                 n = len(res.outputs[0].token_ids)
+                if any(len(r.outputs[0].token_ids) != n for r in results):
+                    raise SystemExit("requests of one run generated different lengths (ignore_eos is set)")
                 ttft = getattr(getattr(res, "metrics", None), "first_token_latency", None) or 0.0
+                # decode time per token of one request = per engine step of a plain decoder
                 ms = 1000 * (wall - ttft) / max(n - 1, 1)
-                runs.append({"mode": mode, "repeat": rep, "tokens": n, "wall_s": wall, "ttft_s": ttft,
-                             "decode_ms_per_tok": ms})
-                print(f"repeat {rep}  {mode:<11} {ms:7.2f} ms/token (ttft {ttft:.2f} s)", file=out, flush=True)
+                runs.append({"mode": mode, "repeat": rep, "tokens": n, "batch_size": args.batch_size,
+                             "wall_s": wall, "ttft_s": ttft, "decode_ms_per_tok": ms})
+                unit = "ms/token" if args.batch_size == 1 else f"ms/token of each of {args.batch_size} requests"
+                print(f"repeat {rep}  {mode:<11} {ms:7.2f} {unit} (ttft {ttft:.2f} s)", file=out, flush=True)
         ar = [r["decode_ms_per_tok"] for r in runs if r["mode"] == "ar"]
         for mode in modes:
             ms = [r["decode_ms_per_tok"] for r in runs if r["mode"] == mode]
@@ -137,6 +150,7 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump({"prefix_len": args.prefix_len, "new_tokens": args.new_tokens,
+                           "batch_size": args.batch_size,
                            "sampling": args.sampling, "runs": runs}, fh, indent=1)
         for llm in engines.values():
             teardown_engine(llm)
