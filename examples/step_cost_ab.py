@@ -1,6 +1,6 @@
 """Does a TokenSwift step that drafts nothing cost what a plain decoding step costs?
 
-Keeps four engines alive in one process (each with vLLM's usual engine-core and
+Keeps one engine per mode alive in one process (each with vLLM's usual engine-core and
 worker processes; an idle engine uses no CPU) and runs them **alternately**, one at
 a time, on the same long prompt under the paper's sampling (T 1.0, min_p 0.1,
 repetition penalty 1.2 over 1,024 tokens), so that slow drift of the machine hits

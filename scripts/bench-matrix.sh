@@ -9,8 +9,9 @@
 #   OUT     output folder (default docs/bench/smollm2/matrix)
 #   BLOCK   any of: 2k 6k ablations b8 yarn tiny16k k16 (default: all, in this order)
 #
-# Time on the 2-core CPU (AR about 15 tok/s at 2K context): 2k ~40 min, 6k ~65 min
-# (38 min on 2026-11-26, AR 22 tok/s at 6K), ablations ~30 min (21 min that day), b8 ~40 min, yarn ~40 min, tiny16k ~25 min, k16 ~15 min. Run nothing else meanwhile:
+# Time on the 2-core CPU (AR about 15 tok/s at 2K context): 2k ~40 min, 6k ~65 min,
+# ablations ~30 min, b8 ~40 min, yarn ~40 min, tiny16k ~25 min, k16 ~15 min; on the faster
+# machine of 2026-11-26 (AR 22 tok/s at 6K): 6k 38, ablations 21, tiny16k 22, k16 4 min. Run nothing else meanwhile:
 # every figure is a ratio to AR of the same round, but a second job still distorts them.
 # Memory: --interleave keeps one engine per method (about 3 GB each for SmolLM2 with a
 # 0.5 GiB KV cache), so a block holds at most 5 methods.

@@ -15,12 +15,13 @@ the ones single-rank TokenSwift selects.
    single process with all heads selects; a control shows that per-rank importance
    alone would select different blocks (so the test can fail). It also checks that
    the KV key layout detection agrees across ranks (one rank failing -> all fall back).
-2. ``test_engine_tp2_lossless`` (engine, about 3 min with both ranks on one CPU core): the bundled demo
+2. ``test_engine_tp2_lossless`` (engine, about 2.5 min with both ranks on one CPU core): the bundled demo
    model with ``tensor_parallel_size=2``, TokenSwift vs plain decoding at TP=2, greedy,
-   token-identical, drafts accepted, views re-selected; then a sampled run (temperature
-   1, min_p, windowed penalty) on the same engine; both ranks' TokenSwift counters must
-   be identical (same skip/draft decisions, chains, random draws, selections and
-   acceptances on each rank).
+   token-identical, drafts accepted; then a sampled run (temperature 1, min_p, windowed
+   penalty) on the same engine; both ranks' TokenSwift counters must be identical (same
+   decisions, chains, random draws, selections and acceptances on each rank). Twice: with
+   ``policy="cycle"`` (the draft forward every fourth step, so budgeted views are selected)
+   and with the default adaptive policy (decisions from rank 0's broadcast cost model).
 
 CPU pinning: vLLM binds each TP rank's OpenMP threads with ``VLLM_CPU_OMP_THREADS_BIND``
 (one entry per rank, separated by ``|``); ``"1|1"`` puts both ranks on core 1. When the
@@ -295,7 +296,7 @@ def omp_bind(monkeypatch):
 
 
 def test_engine_tp2_lossless(omp_bind):
-    from engine_utils import shutdown, spec_metrics
+    from engine_utils import shutdown
     from transformers import AutoTokenizer
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -325,7 +326,7 @@ def test_engine_tp2_lossless(omp_bind):
         assert len(per_rank) == 2 and all(s is not None for s in per_rank)
         assert _stable(per_rank[0]) == _stable(per_rank[1]), f"{policy}: TP ranks took different drafting decisions"
         assert metrics.get("vllm:spec_decode_num_accepted_tokens", 0) > GEN_TOKENS // 2, (policy, metrics)
-        # every step of every request got a decision on both ranks
+        # the policy's decisions were counted (and compared across ranks above)
         assert sum(per_rank[0]["steps_by_kind"].values()) > 0, per_rank[0]
     s = runs["cycle"][2][0]
     # the budgeted view was selected for every request (the cycle policy runs the draft
