@@ -1,0 +1,205 @@
+"""Replay a greedy generation to compare TokenSwift's n-gram drafting with suffix decoding,
+without an engine.
+
+Greedy decoding is deterministic and speculative decoding is lossless, so the output of
+any drafter is the same token sequence; how many steps it takes only depends on which
+drafts it proposes. Given that sequence (prompt + greedy output), this script replays,
+step by step:
+
+* **TokenSwift's n-gram path** with the proposer's own code: the request's
+  :class:`~vllm_tokenswift.ngram.NGramTable`, :func:`~vllm_tokenswift.chain.ngram_chain`,
+  the engine-wide :class:`~vllm_tokenswift.policy.Calibration`,
+  :func:`~vllm_tokenswift.policy.decide` (with its plain-step probe) and the policy's cut.
+  The cost model is fixed (``--costs``) instead of learnt, and the forced exploration
+  tries of the draft forward and the fused heads are left out (on SmolLM2's 6K greedy run
+  they were 8 of 775 steps);
+* **suffix decoding** with Arctic Inference's ``SuffixDecodingCache``, called as vLLM
+  0.32's ``SuffixDecodingProposer`` calls it (tree depth 24, spec factor 1, min token
+  probability 0.1, no cached requests), if ``arctic_inference`` is installed.
+
+A step that verifies ``D`` draft tokens is charged ``a + g·[D > 0] + b·D`` milliseconds
+(the policy's cost model; the defaults are the fit to per-step timings of SmolLM2-135M on
+the 2-core CPU at 2-3.5K tokens of context: a 35 ms step, g about 0, 3 ms per draft
+token). Prints, for each prefix of the output, steps, draft tokens, accepted tokens and
+the modelled time of both, and plots steps against generated tokens (``--plot``).
+
+    python examples/greedy_replay.py --tokens docs/bench/smollm2/replay/greedy-6k.json \\
+        --lengths 1024,2048,6144 --plot replay.png
+
+``--generate N --tokens FILE`` first writes FILE: SmolLM2's greedy output of N tokens for
+the benchmark's default prompt (plain vLLM decoding, ``--prefix-len`` tokens of prompt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import numpy as np
+
+
+def replay_tokenswift(prompt: list[int], out: list[int], k: int, costs: dict) -> dict:
+    """TokenSwift's n-gram drafting replayed over ``prompt + out`` (greedy, one request).
+
+    Returns:
+        ``{"steps", "drafted", "accepted", "ms", "steps_at"}``: engine steps after the
+        prefill (each yields its accepted drafts plus one token, so ``steps + accepted ==
+        len(out) - 1``), draft tokens verified, drafts accepted, modelled milliseconds, and
+        per output token the steps taken when it was generated (0 for the prefill's).
+    """
+    from vllm_tokenswift import policy as pol
+    from vllm_tokenswift.chain import ngram_chain
+    from vllm_tokenswift.ngram import NGramTable
+    from vllm_tokenswift.proposer import NGRAM_FLOOR, _calibration_keys
+
+    seq = list(prompt) + list(out)
+    table = NGramTable(4)
+    calib = pol.Calibration()
+    p = len(prompt)                 # the prefill samples seq[p]; the first proposer call sees it
+    table.extend(seq[: p + 1])
+    plain_window: list[int] = []    # the cost model's window of draft-free steps (for the probe)
+    res = {"steps": 0, "drafted": 0, "accepted": 0, "ms": 0.0, "steps_at": [0]}
+    while p < len(seq) - 1:
+        room = min(k, len(seq) - 2 - p)   # the bonus token of a wholly accepted chain fits
+        ch = ngram_chain(seq[max(0, p + 1 - table.context_len): p + 1], table, room, NGRAM_FLOOR)
+        cums = {pol.NONE: np.zeros(0)}
+        if ch.tokens:
+            keys = _calibration_keys(ch.sources, False)
+            cums[pol.NGRAM] = np.cumprod([calib.prob(s, j, c) for j, (s, c) in enumerate(zip(keys, ch.confs))])
+        rows = [pol.RowOptions(cums)]
+        dec = pol.decide(rows, costs)
+        if pol.needs_plain_probe(dec, rows, costs, sum(plain_window)):
+            dec = pol.plain_decision(rows, costs)
+        n = pol.cut_length(cums[pol.NGRAM], dec.threshold) if dec.kinds[0] == pol.NGRAM else 0
+        toks = ch.tokens[:n]
+        acc = _accepted(seq, p, toks)
+        if toks:
+            calib.update(_calibration_keys(ch.sources[:n], False), ch.confs[:n], n, acc)
+        plain_window = (plain_window + [int(not toks)])[-64:]
+        _charge(res, costs, len(toks), acc)
+        table.extend(seq[p + 1: p + 2 + acc])
+        p += acc + 1
+        res["steps_at"].extend([res["steps"]] * (acc + 1))
+    return res
+
+
+def replay_suffix(prompt: list[int], out: list[int], k: int, costs: dict, depth: int = 24,
+                  factor: float = 1.0, min_prob: float = 0.1) -> dict:
+    """Suffix decoding (Arctic Inference) replayed as vLLM 0.32's proposer calls it.
+
+    Raises:
+        ImportError: ``arctic_inference`` is not installed.
+    """
+    from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+    seq = list(prompt) + list(out)
+    cache = SuffixDecodingCache(max_tree_depth=depth, max_cached_requests=0)
+    cache.start_request("r", np.asarray(prompt, dtype=np.int32))
+    p = len(prompt)
+    new = [seq[p]]
+    res = {"steps": 0, "drafted": 0, "accepted": 0, "ms": 0.0, "steps_at": [0]}
+    while p < len(seq) - 1:
+        cache.add_active_response("r", new)
+        pattern = np.asarray(seq[max(0, p + 1 - depth): p + 1], dtype=np.int32)
+        toks = list(cache.speculate("r", pattern, max_spec_tokens=min(k, len(seq) - 2 - p),
+                                    max_spec_factor=factor, min_token_prob=min_prob).token_ids)
+        acc = _accepted(seq, p, toks)
+        _charge(res, costs, len(toks), acc)
+        new = seq[p + 1: p + 2 + acc]
+        p += acc + 1
+        res["steps_at"].extend([res["steps"]] * (acc + 1))
+    return res
+
+
+def _accepted(seq: list[int], p: int, toks: list[int]) -> int:
+    """Greedy verification: the drafts that equal the output, up to the first mismatch."""
+    a = 0
+    for j, t in enumerate(toks):
+        if seq[p + 1 + j] != t:
+            break
+        a += 1
+    return a
+
+
+def _charge(res: dict, costs: dict, drafted: int, accepted: int) -> None:
+    res["steps"] += 1
+    res["drafted"] += drafted
+    res["accepted"] += accepted
+    res["ms"] += costs["a"] + (costs["g"] if drafted else 0.0) + costs["b"] * drafted
+
+
+def _generate(path: str, n: int, prefix_len: int) -> None:
+    from vllm_tokenswift.bench.harness import BenchConfig, build_prompts, engine_output_to, load_prompt_tokens
+    from vllm_tokenswift.models import resolve_target
+
+    model, _ = resolve_target("smollm2")
+    cfg = BenchConfig(model=model, prefix_len=prefix_len)
+    prompt = build_prompts(load_prompt_tokens(cfg), 1, prefix_len)[0]
+    with engine_output_to("/tmp/greedy_replay_vllm.log"):
+        from vllm import LLM, SamplingParams
+
+        llm = LLM(model=model, dtype="float32", max_model_len=prefix_len + n + 64, enforce_eager=True,
+                  kv_cache_memory_bytes=2**29, seed=0)
+        res = llm.generate([{"prompt_token_ids": prompt}],
+                           SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=True)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"model": "SmolLM2-135M-Instruct", "prompt": prompt,
+                   "out": list(res[0].outputs[0].token_ids)}, f)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", required=True, help="JSON with 'prompt' and 'out' token id lists")
+    ap.add_argument("--generate", type=int, default=0, metavar="N",
+                    help="first write --tokens: N greedy tokens of SmolLM2 (needs vLLM)")
+    ap.add_argument("--prefix-len", type=int, default=1984, help="with --generate: prompt tokens")
+    ap.add_argument("--lengths", default="1024,2048,6144", help="output prefixes to replay")
+    ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
+    ap.add_argument("--costs", default="35,0.5,3.0", help="a,g,b in ms (plain step, drafting step's extra, per draft token)")
+    ap.add_argument("--plot", default=None, metavar="PNG", help="steps against generated tokens")
+    args = ap.parse_args()
+    if args.generate:
+        _generate(args.tokens, args.generate, args.prefix_len)
+    with open(args.tokens) as f:
+        data = json.load(f)
+    a, g, b = (float(x) for x in args.costs.split(","))
+    costs = {"a": a, "g": g, "b": b, "f0": a, "f1": 0.0, "h0": a, "h1": 0.0}
+    lengths = [min(int(x), len(data["out"])) for x in args.lengths.split(",")]
+    print(f"{'tokens':>7} {'method':<11} {'steps':>6} {'drafted':>8} {'accepted':>9} {'model s':>8}  suffix/TS time")
+    runs = {}
+    for n in lengths:
+        ts = replay_tokenswift(data["prompt"], data["out"][:n], args.k, costs)
+        try:
+            sx = replay_suffix(data["prompt"], data["out"][:n], args.k, costs)
+        except ImportError:
+            sx = None
+        runs[n] = (ts, sx)
+        for name, r in (("tokenswift", ts), ("suffix", sx)):
+            if r is not None:
+                ratio = f"  {sx['ms'] / ts['ms']:.3f}" if (name == "suffix") else ""
+                print(f"{n:>7} {name:<11} {r['steps']:>6} {r['drafted']:>8} {r['accepted']:>9} "
+                      f"{r['ms'] / 1000:>8.2f}{ratio}")
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        ts, sx = runs[max(runs)]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot(range(1, len(ts["steps_at"]) + 1), ts["steps_at"], label="TokenSwift n-gram path")
+        if sx is not None:
+            ax.plot(range(1, len(sx["steps_at"]) + 1), sx["steps_at"], label="suffix decoding", ls="--")
+        ax.set_xlabel("generated tokens")
+        ax.set_ylabel("engine steps")
+        ax.set_title(f"Greedy replay, k = {args.k} (fewer steps = faster)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+        print(f"plot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""examples/greedy_replay.py: TokenSwift's n-gram drafting replayed over a fixed greedy output."""
+
+import importlib.util
+import os
+import random
+
+import pytest
+
+_PATH = os.path.join(os.path.dirname(__file__), "..", "examples", "greedy_replay.py")
+
+
+@pytest.fixture(scope="module")
+def replay():
+    spec = importlib.util.spec_from_file_location("greedy_replay", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_replay_accounts_every_token_and_drafts_full_chains_on_a_loop(replay):
+    """Every step after the prefill yields its accepted drafts plus one token; on an exact 20-token loop the
+    n-gram path drafts full-length chains that are wholly accepted once the loop has been
+    seen (the last 180 tokens take at most 180 / (k + 1) + 2 steps)."""
+    rng = random.Random(0)
+    prompt = [rng.randrange(100, 200) for _ in range(50)]
+    period = [rng.randrange(3, 60) for _ in range(20)]
+    out = period * 20
+    costs = {"a": 35.0, "g": 0.5, "b": 3.0, "f0": 35.0, "f1": 0.0, "h0": 35.0, "h1": 0.0}
+    k = 8
+    r = replay.replay_tokenswift(prompt, out, k, costs)
+    assert r["steps"] + r["accepted"] == len(out) - 1     # the prefill sampled out[0]
+    assert r["accepted"] <= r["drafted"]
+    assert len(r["steps_at"]) == len(out)
+    assert all(b >= a for a, b in zip(r["steps_at"], r["steps_at"][1:]))
+    # each step costs a, plus b per draft token, plus g when it drafts: between the two
+    # extremes of g's share
+    base = r["steps"] * 35.0 + 3.0 * r["drafted"]
+    assert base <= r["ms"] <= base + 0.5 * r["steps"]
+    assert r["steps_at"][-1] - r["steps_at"][-181] <= 180 // (k + 1) + 2
+    assert r["steps"] < len(out) / 4
+
+
+def test_greedy_verification_stops_at_the_first_mismatch(replay):
+    seq = [1, 2, 3, 4, 5, 6]
+    assert replay._accepted(seq, 1, [3, 4, 9, 6]) == 2
+    assert replay._accepted(seq, 1, [9]) == 0
+    assert replay._accepted(seq, 0, []) == 0
