@@ -172,23 +172,3 @@ def test_recent_next_tells_a_repeated_phrase_apart_by_the_longer_context():
     only8.extend(period * 12)
     # without the longer contexts: the 3-gram frequency 1/2 is all the confidence left
     assert only8.recent_next(t.tokens + period[:12] + phrase)[1] == pytest.approx(0.5)
-
-
-def test_recent_next_matches_contexts_between_the_ngram_and_long_n():
-    """A 5-token stretch seen once, whose 3-token n-gram context is more often followed by
-    something else and whose 8-token context never occurred: ``recent_next`` follows the
-    latest occurrence of the longest matching context (5 tokens here), as suffix
-    decoding's longest match would, with the n-gram frequency as its confidence while
-    the context has no record."""
-    t = NGramTable(4)
-    assert t.mid_lens == (6, 5, 4) and t.context_len == 32
-    assert NGramTable(3, long_n=4).mid_lens == () and NGramTable(4, long_n=0).mid_lens == ()
-    t.extend([1, 2, 3, 4, 5, 6, 9] + [10, 4, 5, 6, 7] + [11, 4, 5, 6, 7] + [12, 2, 3, 4, 5, 6])
-    ctx = t.tokens
-    assert t.best_next(ctx) == (7, pytest.approx(2 / 3))      # the n-gram's answer
-    assert t.recent_next(ctx) == (9, pytest.approx(1 / 3))    # the 5-token match's answer
-    # a record once the 5-token context recurs: (2, 3, 4, 5, 6) -> 9 again
-    t.extend([9, 0, 2, 3, 4, 5, 6])
-    assert t.recent_next(t.tokens) == (9, pytest.approx((1 + 1) / (1 + 2)))
-    # nothing of length >= 4 matches: None (the n-gram and short contexts answer instead)
-    assert t.recent_next([13, 14, 5, 6]) is None

@@ -14,14 +14,13 @@ accepted. It answers three questions in O(1) or O(k):
 * :meth:`NGramTable.best_next` — the most frequent continuation of an
   (n-1)-token context, used to extend a chain past the heads' depth;
 * :meth:`NGramTable.recent_next` — the token that followed the most recent
-  earlier occurrence of the last ``4·long_n``, ``2·long_n``, ``long_n``, then
-  ``long_n-2`` down to ``n`` tokens, the longest that occurred before (a longer
-  context than the n-gram's, as prompt-lookup and suffix decoding match): where
-  text repeats with branches that the (n-1)-token context cannot tell apart, the
-  longer match follows the branch taken last time (O(1), one dict entry per token
-  and context length). Its confidence is the better of the n-gram frequency and the
-  rule's own record for that context (how often "the branch taken last time" was
-  taken again);
+  earlier occurrence of the last ``4·long_n``, ``2·long_n`` or ``long_n`` tokens,
+  the longest that occurred before (a longer context than the
+  n-gram's, as prompt-lookup and suffix decoding match): where text repeats with
+  branches that the (n-1)-token context cannot tell apart, the longer match
+  follows the branch taken last time (O(1), one dict entry per token). Its
+  confidence is the better of the n-gram frequency and the rule's own record for
+  that long context (how often "the branch taken last time" was taken again);
 * :meth:`NGramTable.short_next` — the same rule on contexts shorter than the
   n-gram's (2 tokens, then 1), the back-off when neither the long context nor the
   (n-1)-token context was ever seen (suffix decoding likewise drafts from the
@@ -85,9 +84,7 @@ class NGramTable:
     Args:
         n: n-gram order (paper: 4).
         long_n: context length :meth:`recent_next` matches (default
-            ``max(DEFAULT_LONG_N, n)``; 0: off). It also matches ``2·long_n`` and
-            ``4·long_n`` tokens (tried first) and ``long_n-2`` down to ``n`` tokens
-            (tried after, :attr:`mid_lens`).
+            ``max(DEFAULT_LONG_N, n)``; 0: off).
 
         short: back off to :meth:`short_next` (contexts of ``n-2`` down to 1 tokens,
             at most 2 of them) when the long and the ``(n-1)``-token contexts are unknown.
@@ -96,14 +93,13 @@ class NGramTable:
         ValueError: ``n < 2``, or ``long_n`` neither 0 nor ``>= n``.
 
     Memory: O(number of distinct n-grams) Python objects, about 0.3 KB each, plus
-    up to two dict entries per token and context length for :meth:`recent_next` (6
-    lengths with the defaults; all but ``long_n`` keyed by hash) and for
-    :meth:`short_next` (2 lengths): about 1 KB per token in all.
+    up to two dict entries per token and context length for :meth:`recent_next` (3
+    lengths; the longer two keyed by hash) and for :meth:`short_next` (2 lengths).
     """
 
     __slots__ = ("n", "long_n", "tokens", "counts", "ctx_counts", "ctx_best", "by_first", "after",
-                 "after_record", "longer_lens", "longer_after", "longer_record", "mid_lens",
-                 "mid_after", "mid_record", "short_lens", "short_after", "short_record")
+                 "after_record", "longer_lens", "longer_after", "longer_record", "short_lens",
+                 "short_after", "short_record")
 
     def __init__(self, n: int = 4, long_n: int | None = None, short: bool = True):
         if n < 2:
@@ -137,14 +133,6 @@ class NGramTable:
         self.longer_lens: tuple[int, ...] = (4 * long_n, 2 * long_n) if long_n else ()
         self.longer_after: list[dict[int, int]] = [{} for _ in self.longer_lens]
         self.longer_record: list[dict[int, tuple[int, int]]] = [{} for _ in self.longer_lens]
-        # contexts between the n-gram's and long_n (long_n-2 down to n tokens), keyed by
-        # hash, tried after long_n: a text that repeats a 5-7 token stretch whose 3-token
-        # n-gram context is ambiguous follows the latest occurrence, as suffix decoding's
-        # longest match does (simulated on SmolLM2's greedy output: without them the
-        # first 1K tokens took 2% more steps than suffix decoding)
-        self.mid_lens: tuple[int, ...] = tuple(range(long_n - 2, n - 1, -1)) if long_n else ()
-        self.mid_after: list[dict[int, int]] = [{} for _ in self.mid_lens]
-        self.mid_record: list[dict[int, tuple[int, int]]] = [{} for _ in self.mid_lens]
 
     @property
     def context_len(self) -> int:
@@ -186,14 +174,6 @@ class NGramTable:
                             seen, hits = rec.get(h, (0, 0))
                             rec[h] = (seen + 1, hits + (toks[prev] == t))
                         d[h] = len(toks)
-            for m, d, rec in zip(self.mid_lens, self.mid_after, self.mid_record):
-                if len(toks) >= m:
-                    h = hash(tuple(toks[-m:]))
-                    prev = d.get(h)
-                    if prev is not None:
-                        seen, hits = rec.get(h, (0, 0))
-                        rec[h] = (seen + 1, hits + (toks[prev] == t))
-                    d[h] = len(toks)
             for m, d, rec in zip(self.short_lens, self.short_after, self.short_record):
                 if len(toks) >= m:
                     key = tuple(toks[-m:])
@@ -267,8 +247,7 @@ class NGramTable:
 
     def recent_next(self, context: Sequence[int]) -> tuple[int, float] | None:
         """The token that followed the latest earlier occurrence of the longest of
-        ``context[-4·long_n:]``, ``context[-2·long_n:]``, ``context[-long_n:]`` and
-        ``context[-m:]`` for ``m`` in :attr:`mid_lens` that
+        ``context[-4·long_n:]``, ``context[-2·long_n:]`` and ``context[-long_n:]`` that
         occurred before (the longest match wins, as in suffix decoding: a text that repeats
         an 8-token phrase twice in one loop with different continuations is told apart by
         the longer context), with a confidence in [0, 1] (the estimate the chain's
@@ -276,10 +255,10 @@ class NGramTable:
         (:meth:`cond_prob`) and, once that context recurred, the rule's own record for
         it, ``(hits + 1) / (repeats + 2)`` (``hits``: times the token after a recurrence
         equalled the one after the occurrence before it). None when not even the last
-        ``n`` tokens occurred with a successor (or ``long_n`` is 0). ``context``
+        ``long_n`` tokens occurred with a successor (or ``long_n`` is 0). ``context``
         should hold :attr:`context_len` tokens (fewer: the longer levels are skipped)."""
         L = self.long_n
-        if not L:
+        if not L or len(context) < L:
             return None
         for m, d, recs in zip(self.longer_lens, self.longer_after, self.longer_record):
             if len(context) < m:
@@ -288,19 +267,11 @@ class NGramTable:
             j = d.get(h)
             if j is not None:
                 return self._recent(context, j, recs.get(h))
-        if len(context) >= L:
-            key = tuple(context[-L:])
-            j = self.after.get(key)
-            if j is not None:
-                return self._recent(context, j, self.after_record.get(key))
-        for m, d, recs in zip(self.mid_lens, self.mid_after, self.mid_record):
-            if len(context) < m:
-                continue
-            h = hash(tuple(context[-m:]))
-            j = d.get(h)
-            if j is not None:
-                return self._recent(context, j, recs.get(h))
-        return None
+        key = tuple(context[-L:])
+        j = self.after.get(key)
+        if j is None:
+            return None
+        return self._recent(context, j, self.after_record.get(key))
 
     def _recent(self, context: Sequence[int], j: int, rec: tuple[int, int] | None
                 ) -> tuple[int, float]:
