@@ -26,8 +26,10 @@ the modelled time of both, and plots steps against generated tokens (``--plot``)
     python examples/greedy_replay.py --tokens docs/bench/smollm2/replay/greedy-6k.json \\
         --lengths 1024,2048,6144 --plot replay.png
 
-``--generate N --tokens FILE`` first writes FILE: SmolLM2's greedy output of N tokens for
-the benchmark's default prompt (plain vLLM decoding, ``--prefix-len`` tokens of prompt).
+``--generate N --tokens FILE`` first writes FILE: SmolLM2's greedy outputs of N tokens for
+``--num-prompts`` book prompts of ``--prefix-len`` tokens (plain vLLM decoding, one batch).
+A FILE holds one ``{"prompt", "out"}`` sequence or a ``"sequences"`` list; figures are
+summed over the sequences.
 """
 
 from __future__ import annotations
@@ -129,24 +131,51 @@ def _charge(res: dict, costs: dict, drafted: int, accepted: int) -> None:
     res["ms"] += costs["a"] + (costs["g"] if drafted else 0.0) + costs["b"] * drafted
 
 
-def _generate(path: str, n: int, prefix_len: int) -> None:
-    from vllm_tokenswift.bench.harness import BenchConfig, build_prompts, engine_output_to, load_prompt_tokens
+def _generate(path: str, n: int, prefix_len: int, num_prompts: int) -> None:
+    """Write ``path``: SmolLM2's greedy output of ``n`` tokens (plain vLLM decoding, one
+    batch) for ``num_prompts`` prompts of ``prefix_len`` tokens, each from a different
+    Project Gutenberg book (the tokens after the book's first 2,000, past its front matter)."""
+    from transformers import AutoTokenizer
+
+    from vllm_tokenswift.bench.harness import engine_output_to
     from vllm_tokenswift.models import resolve_target
 
     model, _ = resolve_target("smollm2")
-    cfg = BenchConfig(model=model, prefix_len=prefix_len)
-    prompt = build_prompts(load_prompt_tokens(cfg), 1, prefix_len)[0]
-    with engine_output_to("/tmp/greedy_replay_vllm.log"):
+    tok = AutoTokenizer.from_pretrained(model)
+    books = os.environ.get("TOKENSWIFT_BOOKS", os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "pg-books", "train.jsonl"))
+    prompts = []
+    with open(books) as fh:
+        for line in fh:
+            ids = tok(json.loads(line)["text"][: 8 * (2000 + prefix_len)], add_special_tokens=False)["input_ids"]
+            if len(ids) >= 2000 + prefix_len:
+                prompts.append(ids[2000: 2000 + prefix_len])
+            if len(prompts) == num_prompts:
+                break
+    if len(prompts) < num_prompts:
+        raise SystemExit(f"only {len(prompts)} books of {books} are long enough")
+    with engine_output_to("/tmp/greedy_replay_vllm.log") as (out, _err):
+        from functools import partial
+
+        from tqdm import tqdm
         from vllm import LLM, SamplingParams
 
         llm = LLM(model=model, dtype="float32", max_model_len=prefix_len + n + 64, enforce_eager=True,
-                  kv_cache_memory_bytes=2**29, seed=0)
-        res = llm.generate([{"prompt_token_ids": prompt}],
-                           SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=True)
+                  kv_cache_memory_bytes=2**30, seed=0, max_num_seqs=num_prompts)
+        res = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+                           use_tqdm=partial(tqdm, file=out))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"model": "SmolLM2-135M-Instruct", "prompt": prompt,
-                   "out": list(res[0].outputs[0].token_ids)}, f)
+        json.dump({"model": "SmolLM2-135M-Instruct", "sequences": [
+            {"prompt": p, "out": list(r.outputs[0].token_ids)} for p, r in zip(prompts, res)]}, f)
+
+
+def load_sequences(path: str) -> list[dict]:
+    """The ``{"prompt", "out"}`` sequences of a tokens file (one, or a ``"sequences"`` list)."""
+    with open(path) as f:
+        data = json.load(f)
+    return data["sequences"] if "sequences" in data else [data]
 
 
 def main() -> None:
@@ -154,31 +183,42 @@ def main() -> None:
     ap.add_argument("--tokens", required=True, help="JSON with 'prompt' and 'out' token id lists")
     ap.add_argument("--generate", type=int, default=0, metavar="N",
                     help="first write --tokens: N greedy tokens of SmolLM2 (needs vLLM)")
-    ap.add_argument("--prefix-len", type=int, default=1984, help="with --generate: prompt tokens")
-    ap.add_argument("--lengths", default="1024,2048,6144", help="output prefixes to replay")
+    ap.add_argument("--prefix-len", type=int, default=2000, help="with --generate: prompt tokens")
+    ap.add_argument("--num-prompts", type=int, default=8, help="with --generate: prompts (books)")
+    ap.add_argument("--lengths", default="1024,2048", help="output prefixes to replay")
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     ap.add_argument("--costs", default="35,0.5,3.0", help="a,g,b in ms (plain step, drafting step's extra, per draft token)")
-    ap.add_argument("--plot", default=None, metavar="PNG", help="steps against generated tokens")
+    ap.add_argument("--plot", default=None, metavar="PNG", help="steps against generated tokens (first sequence)")
     args = ap.parse_args()
     if args.generate:
-        _generate(args.tokens, args.generate, args.prefix_len)
-    with open(args.tokens) as f:
-        data = json.load(f)
+        _generate(args.tokens, args.generate, args.prefix_len, args.num_prompts)
+    seqs = load_sequences(args.tokens)
     a, g, b = (float(x) for x in args.costs.split(","))
     costs = {"a": a, "g": g, "b": b, "f0": a, "f1": 0.0, "h0": a, "h1": 0.0}
-    lengths = [min(int(x), len(data["out"])) for x in args.lengths.split(",")]
+    lengths = sorted({int(x) for x in args.lengths.split(",")})
+    print(f"{len(seqs)} sequence(s); sums over them")
     print(f"{'tokens':>7} {'method':<11} {'steps':>6} {'drafted':>8} {'accepted':>9} {'model s':>8}  suffix/TS time")
-    runs = {}
+    first = {}
     for n in lengths:
-        ts = replay_tokenswift(data["prompt"], data["out"][:n], args.k, costs)
-        try:
-            sx = replay_suffix(data["prompt"], data["out"][:n], args.k, costs)
-        except ImportError:
-            sx = None
-        runs[n] = (ts, sx)
-        for name, r in (("tokenswift", ts), ("suffix", sx)):
+        tot = {"tokenswift": None, "suffix": None}
+        for i, sq in enumerate(seqs):
+            out = sq["out"][:n]
+            rs = {"tokenswift": replay_tokenswift(sq["prompt"], out, args.k, costs)}
+            try:
+                rs["suffix"] = replay_suffix(sq["prompt"], out, args.k, costs)
+            except ImportError:
+                pass
+            for name, r in rs.items():
+                if tot[name] is None:
+                    tot[name] = {key: 0 for key in ("steps", "drafted", "accepted", "ms")}
+                for key in tot[name]:
+                    tot[name][key] += r[key]
+            if i == 0:
+                first[n] = rs
+        for name in ("tokenswift", "suffix"):
+            r = tot[name]
             if r is not None:
-                ratio = f"  {sx['ms'] / ts['ms']:.3f}" if (name == "suffix") else ""
+                ratio = f"  {r['ms'] / tot['tokenswift']['ms']:.3f}" if name == "suffix" else ""
                 print(f"{n:>7} {name:<11} {r['steps']:>6} {r['drafted']:>8} {r['accepted']:>9} "
                       f"{r['ms'] / 1000:>8.2f}{ratio}")
     if args.plot:
@@ -187,14 +227,13 @@ def main() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        ts, sx = runs[max(runs)]
+        rs = first[max(first)]
         fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot(range(1, len(ts["steps_at"]) + 1), ts["steps_at"], label="TokenSwift n-gram path")
-        if sx is not None:
-            ax.plot(range(1, len(sx["steps_at"]) + 1), sx["steps_at"], label="suffix decoding", ls="--")
+        for name, r in rs.items():
+            ax.plot(range(len(r["steps_at"])), r["steps_at"], label=name, ls="-" if name == "tokenswift" else "--")
         ax.set_xlabel("generated tokens")
         ax.set_ylabel("engine steps")
-        ax.set_title(f"Greedy replay, k = {args.k} (fewer steps = faster)")
+        ax.set_title(f"Greedy replay of the first sequence, k = {args.k} (fewer steps = faster)")
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
