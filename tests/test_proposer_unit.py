@@ -22,6 +22,7 @@ def _proposer(engine_seed=0, **cfg):
     prop.acceptance = AcceptanceModel(4)
     prop.num_spec_tokens = 4
     prop._dp_buf = None
+    prop._step = 0          # engine steps so far (0: an aligned step for exploration tries)
     return prop
 
 
@@ -245,3 +246,26 @@ def test_a_draft_forward_whose_chain_was_cut_away_is_booked():
     st.last = _Proposal(pol.FORWARD, [0], [0.9], span=4)
     prop._account(st, 1, 1)
     assert fwd.reached[1] > 0.9 and fwd.accepted[1] == 0.0 and fwd.accepted[0] > 0.9
+
+
+def test_due_exploration_tries_wait_for_an_aligned_engine_step():
+    """A request whose forced try is due takes it only on an engine step that is a
+    multiple of EXPLORE_ALIGN, so requests that fell due at different steps of a batch
+    try together (one draft forward for all of them)."""
+    from vllm_tokenswift import policy as pol
+    from vllm_tokenswift.proposer import EXPLORE_ALIGN, EXPLORE_EVERY
+
+    prop = _proposer(policy="adaptive")
+    runner = _runner(r=2)
+    a, b = prop._new_state(runner, "a"), prop._new_state(runner, "b")
+    ra = _Row(0, "a", a, pos=10, room=4, context=[1, 2])
+    rb = _Row(1, "b", b, pos=10, room=4, context=[1, 2])
+    a.steps, b.steps = EXPLORE_EVERY + 3, EXPLORE_EVERY     # both due, "a" for 3 steps already
+    forced = {}
+    for step in range(1, 2 * EXPLORE_ALIGN + 1):
+        prop._step = step
+        forced[step] = (prop._row_options(ra, has_fused=False).forced,
+                        prop._row_options(rb, has_fused=False).forced)
+    tried = [s for s, f in forced.items() if f != (None, None)]
+    assert tried == [EXPLORE_ALIGN, 2 * EXPLORE_ALIGN]
+    assert forced[EXPLORE_ALIGN] == (pol.FORWARD, pol.FORWARD)

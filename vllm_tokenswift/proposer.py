@@ -68,6 +68,12 @@ EXPLORE_EVERY = 48
 #: ... a gap that doubles after every forced try the policy did not then take up
 #: voluntarily, up to this many steps (an option that never pays costs ever less)
 EXPLORE_MAX = 768
+#: ... and a due try waits for the next engine step that is a multiple of this, so that
+#: the due requests of a batch try together and share one draft forward: its fixed cost
+#: (reading all the weights) is most of what a try costs, whatever the rows (batch-8
+#: trace, paper sampling: a forward for 1-3 rows cost 89 ms against a 104 ms plain step).
+#: Requests that arrive at different times would otherwise each pay it on their own step.
+EXPLORE_ALIGN = 16
 #: tensor parallelism: rank 0's cost model is broadcast every this many steps
 COST_SYNC_EVERY = 16
 #: n-gram chains are built down to this cumulative frequency (the policy cuts them)
@@ -499,10 +505,12 @@ class TokenSwiftProposer:
             forced = pol.KINDS[st.steps % len(pol.KINDS)]
             if forced not in cums:
                 forced = pol.NGRAM if pol.NGRAM in cums else pol.NONE
-        elif self.cfg.policy == "adaptive" and st.steps > 2 and not st.all_accepted:
+        elif (self.cfg.policy == "adaptive" and st.steps > 2 and not st.all_accepted
+              and self._step % EXPLORE_ALIGN == 0):
             # A request whose last chain was full length and wholly accepted (a text that
             # repeats itself) defers its forced try: no option can yield more than a
-            # full-length accepted chain, so the try could only lose a step.
+            # full-length accepted chain, so the try could only lose a step. Tries wait
+            # for an aligned engine step (EXPLORE_ALIGN; the same step on every TP rank).
             for kind in (pol.FORWARD, pol.FUSED):
                 if kind in cums and st.steps - st.tried.get(kind, 0) >= st.explore_gap:
                     forced = kind
