@@ -1,0 +1,171 @@
+"""Per-step timings of the worker, by what each TokenSwift step did: where a step's time goes.
+
+Starts one engine per method (``ar``, ``ts`` = TokenSwift as shipped, ``suffix``), one
+after another, runs one timed generation of ``--new-tokens`` tokens for ``--batch-size``
+book prompts, and records for every engine step, inside the worker (``collective_rpc``
+wraps the model runner's methods; nothing of the package is changed): the tokens it
+scheduled, ``execute_model`` (the target's forward), ``sample_tokens`` (sampling or
+rejection sampling, bookkeeping and the proposer), the proposer alone, and the gap before
+the next step (scheduler, output handling). For TokenSwift it also records what the
+proposer decided for the *next* step: rows taking the draft forward (F), the fused heads
+(U) or an n-gram chain (N), rows forced to try (exploration), draft tokens, and the
+milliseconds of the draft forward and fused heads. Prints a table per method grouped by
+that decision, and per number of scheduled tokens.
+
+    python examples/step_trace.py --methods ar,ts --batch-size 8 --new-tokens 1024 --sampling paper
+
+The methods run one after another (not interleaved), so compare their per-step figures,
+not their wall times, and only within one invocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import time
+
+
+def _instrument(worker):
+    """Wrap the runner's ``execute_model``/``sample_tokens``/``propose_draft_token_ids``
+    (and the TokenSwift proposer's ``_draft``) to record one dict per engine step."""
+    import collections as _c
+    import time as _t
+
+    r = worker.model_runner
+    r._trace, r._trace_end, r._trace_cur = [], None, None
+    ex, sm, pr = r.execute_model, r.sample_tokens, r.propose_draft_token_ids
+
+    def execute_model(so, *a, **k):
+        t0 = _t.perf_counter()
+        out = ex(so, *a, **k)
+        r._trace_cur = {"tok": int(so.total_num_scheduled_tokens), "exec": _t.perf_counter() - t0,
+                        "gap": (t0 - r._trace_end) if r._trace_end else 0.0, "prop": 0.0}
+        return out
+
+    def sample_tokens(*a, **k):
+        t0 = _t.perf_counter()
+        out = sm(*a, **k)
+        t1 = _t.perf_counter()
+        if r._trace_cur is not None:
+            r._trace_cur["sample"] = t1 - t0
+            r._trace.append(r._trace_cur)
+            r._trace_cur = None
+        r._trace_end = t1
+        return out
+
+    def propose_draft_token_ids(*a, **k):
+        t0 = _t.perf_counter()
+        out = pr(*a, **k)
+        if r._trace_cur is not None:
+            r._trace_cur["prop"] += _t.perf_counter() - t0
+        return out
+
+    r.execute_model, r.sample_tokens, r.propose_draft_token_ids = execute_model, sample_tokens, propose_draft_token_ids
+    d = getattr(r, "drafter", None)
+    if d is not None and hasattr(d, "_draft"):
+        draft = d._draft
+
+        def _draft(runner, rows, out):
+            draft(runner, rows, out)
+            kinds = _c.Counter(row.state.last.kind for row in rows)
+            if r._trace_cur is not None:
+                r._trace_cur.update({
+                    "F": kinds.get("forward", 0), "U": kinds.get("fused", 0), "N": kinds.get("ngram", 0),
+                    "forced": sum(1 for row in rows if row.forced),
+                    "drafted": sum(len(out[row.batch_row]) for row in rows),
+                    "fwd": d._step_fwd_s, "fused": d._step_fused_s})
+
+        d._draft = _draft
+    return True
+
+
+def _take(worker):
+    r = worker.model_runner
+    out, r._trace, r._trace_end = r._trace, [], None
+    return out
+
+
+def _summary(name: str, wall: float, steps: list[dict]) -> str:
+    ms = 1000.0
+    lines = [f"== {name}: wall {wall:.1f} s, {len(steps)} steps"]
+    groups = collections.defaultdict(list)
+    for s in steps:
+        key = "".join(c for c in "FUN" if s.get(c)) or ("none" if "F" in s else "-")
+        groups[key].append(s)
+    lines.append("  next step  steps  sched tok  exec ms  sample ms  proposer ms  fwd ms  fused ms  gap ms  forced  drafted")
+    for key, xs in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+        def m(k):
+            return statistics.mean((x.get(k) or 0.0) for x in xs)
+        lines.append(f"  {key:<9} {len(xs):6d} {m('tok'):10.2f} {m('exec') * ms:8.2f} {(m('sample') - m('prop')) * ms:10.2f} "
+                     f"{m('prop') * ms:12.2f} {m('fwd') * ms:7.2f} {m('fused') * ms:9.2f} {m('gap') * ms:7.2f} "
+                     f"{m('forced'):7.2f} {m('drafted'):8.2f}")
+    by = collections.defaultdict(list)
+    for s in steps:
+        by[s["tok"]].append(s["exec"])
+    common = sorted(by.items(), key=lambda kv: -len(kv[1]))[:8]
+    lines.append("  execute_model ms by scheduled tokens (most frequent): " + ", ".join(
+        f"{t}: {statistics.median(v) * ms:.1f} (n={len(v)})" for t, v in sorted(common)))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--methods", default="ar,ts")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=1024)
+    ap.add_argument("--prefix-len", type=int, default=2048)
+    ap.add_argument("--sampling", default="paper", choices=("paper", "greedy"))
+    ap.add_argument("--json", default=None, help="write every step's record here")
+    ap.add_argument("--log", default="/tmp/step_trace.log", help="vLLM's own log lines go here")
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")   # collective_rpc with callables
+    from vllm_tokenswift.bench.harness import (DEFAULT_KV_BUDGET, SAMPLING_PRESETS, BenchConfig, build_prompts,
+                                               engine_output_to, load_prompt_tokens, teardown_engine)
+
+    with engine_output_to(args.log) as (out, _err):
+        from vllm import LLM, SamplingParams
+
+        from vllm_tokenswift.models import resolve_target
+
+        model, heads = resolve_target("smollm2")
+        prompts = build_prompts(load_prompt_tokens(BenchConfig(model=model, prefix_len=args.prefix_len)),
+                                args.batch_size, args.prefix_len)
+        specs = {"ar": None,
+                 "ts": {"method": "tokenswift", "model": heads, "num_speculative_tokens": 8,
+                        "tokenswift": {"kv_budget": DEFAULT_KV_BUDGET, "log_interval_s": 0}},
+                 "suffix": {"method": "suffix", "num_speculative_tokens": 8,
+                            "suffix_decoding_max_cached_requests": 0}}
+        sp = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, **SAMPLING_PRESETS[args.sampling])
+        if args.sampling == "paper":
+            sp_other = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True,
+                                      **{k: v for k, v in SAMPLING_PRESETS["paper"].items() if k != "min_p"})
+        records = {}
+        for name in args.methods.split(","):
+            if name not in specs:
+                raise SystemExit(f"unknown method {name!r}; one of {', '.join(specs)}")
+            print(f"starting {name} ...", file=out, flush=True)
+            llm = LLM(model=model, dtype="float32", max_model_len=args.prefix_len + args.new_tokens + 64,
+                      enforce_eager=True, enable_prefix_caching=False, kv_cache_memory_bytes=int(1.25 * 2**30),
+                      seed=0, speculative_config=specs[name], max_num_seqs=args.batch_size)
+            llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=32), use_tqdm=False)
+            llm.collective_rpc(_instrument)
+            llm.collective_rpc(_take)
+            # stock vLLM refuses min_p with suffix decoding: that run drops it (as the benchmark does)
+            params = sp_other if (name == "suffix" and args.sampling == "paper") else sp
+            t = time.perf_counter()
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            wall = time.perf_counter() - t
+            steps = llm.collective_rpc(_take)[0][1:]    # the first step's gap reaches back to the warm-up
+            records[name] = {"wall_s": wall, "steps": steps}
+            print(_summary(name, wall, steps), file=out, flush=True)
+            teardown_engine(llm)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"args": vars(args), "runs": records}, fh)
+
+
+if __name__ == "__main__":
+    main()
