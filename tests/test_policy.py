@@ -313,3 +313,68 @@ def test_acceptance_counts_what_an_option_realises_after_the_cut():
         m.record(req, pol.FORWARD, 1, 1, span=4)
     cum = m.cumulative(req, pol.FORWARD, 4)
     assert cum[0] > 0.95 and cum[1] < 0.05
+
+
+def _reference_plan(rows, allowed, costs, iters=6):
+    """The plan search as first written (numpy per option), kept to check the list-based one."""
+    R = len(rows)
+    b = costs["b"]
+    theta = R / costs["a"]
+    kinds, lens, t, gain = [pol.NONE] * R, [0] * R, costs["a"], 0.0
+    for _ in range(iters):
+        cut = b * theta
+        gain, ntok, n_fwd, n_fus = 0.0, 0, 0, 0
+        for i, row in enumerate(rows):
+            best, best_s, best_k, best_gain = pol.NONE, 0.0, 0, 0.0
+            opts = [row.forced] if row.forced is not None else list(row.cums.keys())
+            for kind in opts:
+                if kind == pol.NONE or kind not in allowed or kind not in row.cums:
+                    continue
+                cum = row.cums[kind]
+                k = int(np.searchsorted(-cum, -cut, side="left")) if cum.size else 0
+                s = float(cum[:k].sum() - cut * k)
+                if row.forced is not None:
+                    k = max(k, 1) if cum.size else 0
+                    s = float(cum[:k].sum() - cut * k) + 1e9
+                if s > best_s:
+                    best, best_s, best_k, best_gain = kind, s, k, float(cum[:k].sum())
+            kinds[i], lens[i] = best, best_k
+            gain += best_gain
+            ntok += best_k
+            n_fwd += best == pol.FORWARD
+            n_fus += best == pol.FUSED
+        t = pol._step_seconds(costs, ntok, n_fwd, n_fus)
+        new_theta = (R + gain) / t
+        if abs(new_theta - theta) <= 1e-9 * max(theta, 1e-12):
+            theta = new_theta
+            break
+        theta = new_theta
+    return theta, list(kinds), list(lens), t, R + gain
+
+
+def test_plan_search_matches_the_numpy_reference_on_random_batches():
+    """The list-based plan search gives the numpy reference's kinds and lengths, and its
+    throughput to rounding, on 300 random batches of 1-32 rows (random options, forced
+    rows, costs) under every fixed-cost combination."""
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        R = int(rng.integers(1, 33))
+        rows = []
+        for _ in range(R):
+            cums = {pol.NONE: np.zeros(0)}
+            for kind, n in ((pol.NGRAM, 8), (pol.FORWARD, 4), (pol.FUSED, 3)):
+                if rng.random() < 0.8:
+                    cums[kind] = np.cumprod(rng.uniform(0.0, 1.0, int(rng.integers(1, n + 1))))
+            forced = None
+            if rng.random() < 0.1:
+                forced = [k for k in cums if k != pol.NONE][0] if len(cums) > 1 else None
+            rows.append(pol.RowOptions(cums, forced))
+        a = float(rng.uniform(0.01, 0.2))
+        costs = {"a": a, "g": a * rng.uniform(0, 0.2), "b": a * rng.uniform(0.01, 0.3),
+                 "f0": a * rng.uniform(0.1, 1.0), "f1": a * rng.uniform(0, 0.3),
+                 "h0": a * rng.uniform(0, 0.3), "h1": a * rng.uniform(0, 0.1)}
+        for allowed in pol._COMBOS[1:]:
+            got = pol._plan(rows, allowed, costs)
+            ref = _reference_plan(rows, allowed, costs)
+            assert got[1] == ref[1] and got[2] == ref[2], trial
+            assert got[0] == pytest.approx(ref[0], rel=1e-12) and got[4] == pytest.approx(ref[4], rel=1e-12)

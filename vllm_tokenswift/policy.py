@@ -510,13 +510,6 @@ class Decision:
     expected_tokens: float
 
 
-def _surplus(cum: np.ndarray, cut: float) -> tuple[float, int]:
-    """``(Σ_j max(0, cum_j - cut), number of positions with cum_j > cut)``; ``cum``
-    non-increasing so those positions form a prefix."""
-    k = int(np.searchsorted(-cum, -cut, side="left")) if cum.size else 0
-    return float(cum[:k].sum() - cut * k), k
-
-
 def _step_seconds(costs: dict, draft_tokens: int, n_fwd: int, n_fus: int) -> float:
     """``T`` of the module doc for a plan with these counts."""
     t = costs["a"] + costs["b"] * draft_tokens
@@ -530,9 +523,28 @@ def _step_seconds(costs: dict, draft_tokens: int, n_fwd: int, n_fus: int) -> flo
 
 
 def _plan(rows: Sequence[RowOptions], allowed: set, costs: dict, iters: int = 6):
-    """Best plan when only ``allowed`` options exist: Dinkelbach on the throughput."""
+    """Best plan when only ``allowed`` options exist: Dinkelbach on the throughput.
+
+    Each row's candidate chains are turned into Python lists with their prefix sums once,
+    so that every Dinkelbach round costs O(rows × options × k) float comparisons: an
+    option's surplus at cut ``c`` is ``Σ_j max(0, cum_j - c)`` over its prefix of drafts
+    with ``cum_j > c`` (``cum`` is non-increasing). Done with numpy on arrays of at most k
+    values, :func:`decide` took 4x longer at 8 rows (0.36 against 0.09 ms)."""
     R = len(rows)
     b = costs["b"]
+    cands = []   # per row: (forced, [(kind, cum values, prefix sums)])
+    for row in rows:
+        opts = [row.forced] if row.forced is not None else list(row.cums.keys())
+        lst = []
+        for kind in opts:
+            if kind == NONE or kind not in allowed or kind not in row.cums:
+                continue
+            vals = [float(v) for v in row.cums[kind]]
+            pre = [0.0]
+            for v in vals:
+                pre.append(pre[-1] + v)
+            lst.append((kind, vals, pre))
+        cands.append((row.forced is not None, lst))
     theta = R / costs["a"]  # plain decoding's throughput as the first guess
     kinds = [NONE] * R
     lens = [0] * R
@@ -543,19 +555,21 @@ def _plan(rows: Sequence[RowOptions], allowed: set, costs: dict, iters: int = 6)
         gain = 0.0
         ntok = 0
         n_fwd = n_fus = 0
-        for i, row in enumerate(rows):
+        for i, (forced, lst) in enumerate(cands):
             best, best_s, best_k, best_gain = NONE, 0.0, 0, 0.0
-            opts = ([row.forced] if row.forced is not None else list(row.cums.keys()))
-            for kind in opts:
-                if kind == NONE or kind not in allowed or kind not in row.cums:
-                    continue
-                cum = row.cums[kind]
-                s, k = _surplus(cum, cut)
-                if row.forced is not None:
-                    k = max(k, 1) if cum.size else 0   # a forced option drafts at least one token
-                    s = float(cum[:k].sum() - cut * k) + 1e9
+            for kind, vals, pre in lst:
+                k = 0
+                for v in vals:             # non-increasing: the drafts worth more than the cut
+                    if not v > cut:
+                        break
+                    k += 1
+                if forced:
+                    k = max(k, 1) if vals else 0   # a forced option drafts at least one token
+                    s = pre[k] - cut * k + 1e9
+                else:
+                    s = pre[k] - cut * k
                 if s > best_s:
-                    best, best_s, best_k, best_gain = kind, s, k, float(cum[:k].sum())
+                    best, best_s, best_k, best_gain = kind, s, k, pre[k]
             kinds[i], lens[i] = best, best_k
             gain += best_gain
             ntok += best_k
