@@ -269,3 +269,22 @@ def test_due_exploration_tries_wait_for_an_aligned_engine_step():
     tried = [s for s, f in forced.items() if f != (None, None)]
     assert tried == [EXPLORE_ALIGN, 2 * EXPLORE_ALIGN]
     assert forced[EXPLORE_ALIGN] == (pol.FORWARD, pol.FORWARD)
+
+
+def test_a_choice_made_alongside_a_forced_try_backs_off_like_a_try():
+    """A request that takes the draft forward on a step where another request was forced
+    to try it (its fixed cost paid anyway) doubles its exploration gap like a forced try;
+    only a choice made with nobody forced resets the gap."""
+    from vllm_tokenswift import policy as pol
+    from vllm_tokenswift.proposer import EXPLORE_EVERY
+
+    prop = _proposer(policy="adaptive")
+    st = prop._new_state(_runner(r=1), "r")
+    st.took(pol.FORWARD, forced=False, alongside_forced=True)
+    assert st.explore_gap == 2 * EXPLORE_EVERY
+    st.took(pol.FUSED, forced=False, alongside_forced=True)
+    assert st.explore_gap == 4 * EXPLORE_EVERY
+    st.took(pol.NGRAM, forced=False, alongside_forced=True)      # no fixed cost: gap unchanged
+    assert st.explore_gap == 4 * EXPLORE_EVERY
+    st.took(pol.FORWARD, forced=False)
+    assert st.explore_gap == EXPLORE_EVERY
