@@ -71,7 +71,8 @@ EXPLORE_MAX = 768
 #: ... and a due try waits for the next engine step that is a multiple of this, so that
 #: the due requests of a batch try together and share one draft forward: its fixed cost
 #: (reading all the weights) is most of what a try costs, whatever the rows (batch-8
-#: trace, paper sampling: a forward for 1-3 rows cost 89 ms against a 104 ms plain step).
+#: trace, paper sampling, docs/bench/smollm2/step-trace/b8-paper.txt: a draft forward for
+#: 1-3 rows cost 79-95 ms against a 108 ms plain step).
 #: Requests that arrive at different times would otherwise each pay it on their own step.
 EXPLORE_ALIGN = 16
 #: tensor parallelism: rank 0's cost model is broadcast every this many steps
