@@ -67,8 +67,7 @@ def replay_tokenswift(prompt: list[int], out: list[int], k: int, costs: dict) ->
         ch = ngram_chain(seq[max(0, p + 1 - table.context_len): p + 1], table, room, NGRAM_FLOOR)
         cums = {pol.NONE: np.zeros(0)}
         if ch.tokens:
-            keys = _calibration_keys(ch.sources, False)
-            cums[pol.NGRAM] = np.cumprod([calib.prob(s, j, c) for j, (s, c) in enumerate(zip(keys, ch.confs))])
+            cums[pol.NGRAM] = calib.chain_cum(_calibration_keys(ch.sources, False), ch.confs)
         rows = [pol.RowOptions(cums)]
         dec = pol.decide(rows, costs)
         if pol.needs_plain_probe(dec, rows, costs, sum(plain_window)):

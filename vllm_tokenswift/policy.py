@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from itertools import accumulate
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -459,6 +460,13 @@ class Calibration:
         a = self.accepted.get(k, 0.0)
         return (a + self.prior_weight * centre) / (r + self.prior_weight)
 
+    def chain_cum(self, sources: Sequence[int], confs: Sequence[float]) -> np.ndarray:
+        """``cum_j``: the product of :meth:`prob` over the chain's first ``j+1`` tokens
+        (``sources``: calibration source keys; ``confs``: the chain selector's
+        confidences), float64, length ``min(len(sources), len(confs))``."""
+        return np.cumprod(np.asarray([self.prob(s, j, c) for j, (s, c) in enumerate(zip(sources, confs))],
+                                     dtype=np.float64))
+
     def update(self, sources: Sequence[int], confs: Sequence[float], num_verified: int,
                num_accepted: int) -> None:
         """A verified chain: tokens ``0..num_accepted`` were examined, the first
@@ -540,10 +548,7 @@ def _plan(rows: Sequence[RowOptions], allowed: set, costs: dict, iters: int = 6)
             if kind == NONE or kind not in allowed or kind not in row.cums:
                 continue
             vals = [float(v) for v in row.cums[kind]]
-            pre = [0.0]
-            for v in vals:
-                pre.append(pre[-1] + v)
-            lst.append((kind, vals, pre))
+            lst.append((kind, vals, [0.0, *accumulate(vals)]))
         cands.append((row.forced is not None, lst))
     theta = R / costs["a"]  # plain decoding's throughput as the first guess
     kinds = [NONE] * R

@@ -472,7 +472,7 @@ class TokenSwiftProposer:
         for j in by_kind[pol.NGRAM]:
             r = rows[j]
             ch = r.ngram if r.ngram is not None else Chain([], [], 0.0)
-            chains[j] = self._cut(ch, r, threshold)
+            chains[j] = self._cut(ch, r, threshold, options[j].cums.get(pol.NGRAM))
 
         spans = {pol.FORWARD: cfg.num_draft_distributions,
                  pol.FUSED: self.heads.num_heads if self.heads is not None else 0}
@@ -529,13 +529,12 @@ class TokenSwiftProposer:
         return pol.RowOptions(cums, forced)
 
     def _calibrated_cum(self, ch: Chain, sampled: bool) -> np.ndarray:
-        probs = [self.calibration.prob(key, j, c)
-                 for j, (key, c) in enumerate(zip(_calibration_keys(ch.sources, sampled), ch.confs))]
-        return np.cumprod(np.asarray(probs, dtype=np.float64))
+        return self.calibration.chain_cum(_calibration_keys(ch.sources, sampled), ch.confs)
 
-    def _cut(self, ch: Chain, r: _Row, threshold: float) -> Chain:
+    def _cut(self, ch: Chain, r: _Row, threshold: float, cum: np.ndarray | None = None) -> Chain:
         """Cut ``ch`` where its calibrated cumulative acceptance falls to ``threshold``
-        (``threshold < 0``: keep it whole, the paper policy).
+        (``threshold < 0``: keep it whole, the paper policy). ``cum``: that acceptance if
+        already computed for this very chain this step (the n-gram row's decision did).
 
         Losslessness: whether position j is kept may depend on the tokens before it but
         never on the token at j itself when that token was *sampled* from q (keeping a
@@ -545,7 +544,9 @@ class TokenSwiftProposer:
         tokens (greedy, n-grams) are deterministic functions of their prefix, so their
         own confidence may decide."""
         if threshold >= 0 and ch.tokens:
-            n = pol.cut_length(self._calibrated_cum(ch, r.state.sampled), threshold)
+            if cum is None:
+                cum = self._calibrated_cum(ch, r.state.sampled)
+            n = pol.cut_length(cum, threshold)
             ch.truncate(max(n, 1 if r.forced else 0))
         return ch.truncate(min(len(ch.tokens), r.room))
 
