@@ -19,6 +19,58 @@ def test_window_tokens_spans_prompt_tail():
     assert window_tokens(prompt, [5, 6], 3, V) == [4, 5, 6]
     assert window_tokens(prompt, [5, 6, 7, 8], 3, V) == [6, 7, 8]
     assert window_tokens(prompt, [5, -1], 10, V) == [1, 2, 3, 4, 5]
+    # placeholders inside the window: the window reaches further back for real tokens
+    assert window_tokens(prompt, [5, 6, 7, 8, -1, -1], 3, V) == [6, 7, 8]
+    assert window_tokens(prompt, [5, 6, 7, 8, -1, -1], 5, V) == [4, 5, 6, 7, 8]
+    # placeholders before the window do not matter
+    assert window_tokens(prompt, [-1, 5, 6, 7, 8], 3, V) == [6, 7, 8]
+    assert window_tokens(prompt, [5, 6], 0, V) == []
+
+
+def test_window_tokens_reads_only_the_tail_of_a_long_output():
+    """O(window): a long output is sliced, not scanned (a list that fails when read
+    outside its last ``window`` entries proves it)."""
+
+    class TailOnly(list):
+        def __iter__(self):
+            raise AssertionError("the whole output was scanned")
+
+    out = TailOnly(range(20_000))
+    assert window_tokens(torch.tensor([1, 2]), out, 4, 30_000) == [19_996, 19_997, 19_998, 19_999]
+
+
+@pytest.mark.parametrize("pres,freq,rep_other", [(0.0, 0.0, 1.0), (0.3, 0.0, 1.0), (0.0, 0.2, 1.0),
+                                                 (0.0, 0.0, 1.3)])
+def test_skipping_vllm_penalties_is_exact_when_they_are_a_no_op(pres, freq, rep_other):
+    """With no presence/frequency penalty and no unwindowed repetition penalty, vLLM's
+    pass changes nothing, and skipping it (``rest_needed=False``) gives identical
+    logits; the state's flag says when it may be skipped."""
+    from types import SimpleNamespace
+
+    from vllm_tokenswift.penalty import _needs_rest
+
+    torch.manual_seed(1)
+    logits = torch.randn(2, V) * 3
+    logits[0, 4] = float("-inf")
+    prompt = torch.tensor([[0, 1, V], [2, 3, 4]])
+    outputs = [[2, 3, 5, 5], [6, 7]]
+    p = torch.tensor([pres, pres])
+    f = torch.tensor([freq, freq])
+    rep = torch.tensor([1.2, rep_other])
+    wins = [3, 0]
+    full = apply_penalties_windowed(orig_all, logits.clone(), prompt, p, f, rep, outputs, wins)
+    params = [SimpleNamespace(presence_penalty=pres, frequency_penalty=freq, repetition_penalty=r)
+              for r in (1.2, rep_other)]
+    needed = any(_needs_rest(sp, w) for sp, w in zip(params, wins))
+    assert needed == (pres != 0.0 or freq != 0.0 or rep_other != 1.0)
+    got = apply_penalties_windowed(orig_all, logits.clone(), prompt, p, f, rep, outputs, wins,
+                                   rest_needed=needed)
+    assert torch.equal(got, full)
+    if needed:   # skipping it would be wrong: the flag matters
+        skipped = apply_penalties_windowed(orig_all, logits.clone(), prompt, p, f, rep, outputs, wins,
+                                           rest_needed=False)
+        assert not torch.equal(skipped, full)
+    assert _needs_rest(None, 8)
 
 
 def test_window_from_params():
@@ -99,3 +151,34 @@ def test_plugin_installs_cpu_expand_fix():
     got = patched(torch.tensor([5, 0, 7]), torch.tensor([0, 2, 3]), 3)
     assert got.tolist() == [0, 0, 7]
     assert patched(torch.tensor([5, 0, 7]), torch.tensor([1, 2, 3]), 3, 0, 9).tolist() == [5, 9, 7]
+
+
+def test_window_state_tracks_which_rows_need_vllm_penalties():
+    """The state-only logits processor follows vLLM's add/remove/move protocol for the
+    windows and the "needs vLLM's own penalties" flags alike."""
+    from types import SimpleNamespace
+
+    from vllm.v1.sample.logits_processor.interface import BatchUpdate, MoveDirectionality
+
+    from vllm_tokenswift.penalty import WINDOW_KEY, make_window_state_class
+
+    cfg = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=4))
+    st = make_window_state_class()(cfg, "cpu", False)
+
+    def sp(window=None, rep=1.2, pres=0.0):
+        return SimpleNamespace(extra_args={WINDOW_KEY: window} if window else None, repetition_penalty=rep,
+                               presence_penalty=pres, frequency_penalty=0.0)
+
+    st.update_state(BatchUpdate(batch_size=3, removed=[], moved=[], added=[
+        (0, sp(1024), None, []), (1, sp(None, rep=1.0), None, []), (2, sp(64, pres=0.5), None, [])]))
+    assert st.row_windows(3) == [1024, 0, 64]
+    assert st.rest.tolist()[:3] == [False, False, True]
+    assert not st.rest_needed(2) and st.rest_needed(3) and st.rest_needed([0, 2]) and not st.rest_needed([1, 0])
+    # row 2 leaves; row 0 moves to 2 (unidirectional) and row 1 swaps with it
+    st.update_state(BatchUpdate(batch_size=2, removed=[2], added=[],
+                                moved=[(0, 2, MoveDirectionality.UNIDIRECTIONAL),
+                                       (1, 2, MoveDirectionality.SWAP)]))
+    assert st.windows.tolist()[:3] == [0, 1024, 0]
+    assert st.rest.tolist()[:3] == [False, False, False]
+    st.update_state(BatchUpdate(batch_size=2, removed=[], moved=[], added=[(0, sp(None, rep=1.3), None, [])]))
+    assert st.rest_needed(2) and st.row_windows(2) == [0, 1024]

@@ -486,7 +486,8 @@ def _patch_penalties(orig: dict) -> dict:
         return apply_penalties_windowed(
             orig_all, logits, sampling_metadata.prompt_token_ids,
             sampling_metadata.presence_penalties, sampling_metadata.frequency_penalties,
-            sampling_metadata.repetition_penalties, output_token_ids, wins)
+            sampling_metadata.repetition_penalties, output_token_ids, wins,
+            rest_needed=state.rest_needed(logits.shape[0]))
 
     def rejection_apply_penalties(logits, sampling_metadata, metadata, repeat_indices, output_token_ids):
         state = _find_proc(sampling_metadata, window_state_class())
@@ -499,7 +500,7 @@ def _patch_penalties(orig: dict) -> dict:
             sampling_metadata.presence_penalties[repeat_indices],
             sampling_metadata.frequency_penalties[repeat_indices],
             sampling_metadata.repetition_penalties[repeat_indices], output_token_ids,
-            [wins[r] for r in ri])
+            [wins[r] for r in ri], rest_needed=state.rest_needed(sorted(set(ri))))
 
     return {f"{_SAMPLER}:Sampler.apply_penalties": sampler_apply_penalties,
             f"{_RS}:RejectionSampler.apply_penalties": rejection_apply_penalties}
