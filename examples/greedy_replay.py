@@ -136,23 +136,14 @@ def _generate(path: str, n: int, prefix_len: int, num_prompts: int) -> None:
     Project Gutenberg book (the tokens after the book's first 2,000, past its front matter)."""
     from transformers import AutoTokenizer
 
-    from vllm_tokenswift.bench.harness import engine_output_to
+    from vllm_tokenswift.bench.harness import book_prompts, engine_output_to
     from vllm_tokenswift.models import resolve_target
 
     model, _ = resolve_target("smollm2")
-    tok = AutoTokenizer.from_pretrained(model)
-    books = os.environ.get("TOKENSWIFT_BOOKS", os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "pg-books", "train.jsonl"))
-    prompts = []
-    with open(books) as fh:
-        for line in fh:
-            ids = tok(json.loads(line)["text"][: 8 * (2000 + prefix_len)], add_special_tokens=False)["input_ids"]
-            if len(ids) >= 2000 + prefix_len:
-                prompts.append(ids[2000: 2000 + prefix_len])
-            if len(prompts) == num_prompts:
-                break
-    if len(prompts) < num_prompts:
-        raise SystemExit(f"only {len(prompts)} books of {books} are long enough")
+    try:
+        prompts = book_prompts(AutoTokenizer.from_pretrained(model), num_prompts, prefix_len, skip=2000)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     with engine_output_to("/tmp/greedy_replay_vllm.log") as (out, _err):
         from functools import partial
 

@@ -16,7 +16,12 @@ every mode alike:
   cost of a speculative engine's step itself: scheduler, runner, sampler);
 * ``ts-nodraft``: the proposer accounts and updates its n-gram tables but never
   drafts (its ``_draft`` step is a no-op): ``ts-empty`` + the proposer's fixed work;
-* ``ts``: the TokenSwift engine as shipped (adaptive policy).
+* ``ts``: the TokenSwift engine as shipped (adaptive policy);
+* ``ar-fullpen``: plain decoding with the windowed penalty as it was before
+  2026-11-26 (third session): the window found by scanning the whole output, and
+  vLLM's own penalties (prompt and output masks and counts, O(prompt + output) per
+  step) run after the windowed one even when they change nothing. ``ar`` vs
+  ``ar-fullpen`` is what that change saved per step.
 
 The modes other than ``ts`` are set up by replacing a method of the proposer in the
 worker (``collective_rpc`` with a callable); nothing of the package is changed.
@@ -40,12 +45,32 @@ import os
 import statistics
 import time
 
-MODES = ("ar", "ar-sync", "ts-empty", "ts-nodraft", "ts")
+MODES = ("ar", "ar-sync", "ts-empty", "ts-nodraft", "ts", "ar-fullpen")
 
 
 def _patch_empty(worker):
     d = worker.model_runner.drafter
     d.propose_with_runner = lambda runner, scheduler_output, sampled, *a, **k: [[] for _ in sampled]
+    return True
+
+
+def _patch_fullpen(worker):
+    import numpy as np
+    import torch
+
+    import vllm_tokenswift.penalty as pen
+    from vllm_tokenswift.plugin import window_state_class
+
+    def window_tokens(prompt_row, output, window, vocab_size):   # the old O(output) version
+        out = [t for t in output if t >= 0] if output and min(output) < 0 else list(output)
+        if len(out) >= window:
+            return out[-window:]
+        pr = prompt_row.cpu().numpy() if isinstance(prompt_row, torch.Tensor) else np.asarray(prompt_row)
+        pr = pr[pr != vocab_size]
+        return pr[-(window - len(out)):].tolist() + out
+
+    pen.window_tokens = window_tokens
+    window_state_class().rest_needed = lambda self, rows: True
     return True
 
 
@@ -64,6 +89,9 @@ def main() -> None:
     ap.add_argument("--sampling", default="paper", choices=("paper", "greedy"))
     ap.add_argument("--batch-size", type=int, default=1,
                     help="requests per run (the same prompt; each run then times engine steps of this batch)")
+    ap.add_argument("--model", default="smollm2",
+                    help="target: smollm2 (default), tiny (the bundled 12.6M demo model) or a folder")
+    ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens of the TokenSwift modes")
     ap.add_argument("--json", default=None, help="write all runs here")
     ap.add_argument("--log", default="/tmp/step_cost_ab.log", help="vLLM's own log lines go here")
     args = ap.parse_args()
@@ -77,7 +105,7 @@ def main() -> None:
     # the two diagnostic modes send a function to the worker (collective_rpc), which vLLM
     # serialises with pickle only when allowed to
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    from vllm_tokenswift.bench.harness import engine_output_to, teardown_engine
+    from vllm_tokenswift.bench.harness import book_prompts, engine_output_to, teardown_engine
 
     with engine_output_to(args.log) as (out, _err):
         from transformers import AutoTokenizer
@@ -86,15 +114,11 @@ def main() -> None:
 
         from vllm_tokenswift.models import resolve_target
 
-        model, heads = resolve_target("smollm2")
-        tok = AutoTokenizer.from_pretrained(model)
-        books = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data",
-                             "pg-books", "train.jsonl")
-        with open(os.environ.get("TOKENSWIFT_BOOKS", books)) as fh:
-            text = json.loads(fh.readline())["text"]
-        ids = tok(text[: 40 * args.prefix_len], add_special_tokens=False)["input_ids"][: args.prefix_len]
-        if len(ids) < args.prefix_len:
-            raise SystemExit(f"the first book has only {len(ids)} tokens; pass a smaller --prefix-len")
+        model, heads = resolve_target(args.model)
+        try:
+            ids = book_prompts(AutoTokenizer.from_pretrained(model), 1, args.prefix_len)[0]
+        except ValueError as e:
+            raise SystemExit(f"{e}; pass a smaller --prefix-len") from None
         prompt = TokensPrompt(prompt_token_ids=ids)
         if args.sampling == "paper":
             sp = SamplingParams(temperature=1.0, min_p=0.1, repetition_penalty=1.2, max_tokens=args.new_tokens,
@@ -104,8 +128,8 @@ def main() -> None:
         engines = {}
         for mode in modes:
             spec = None
-            if mode not in ("ar", "ar-sync"):
-                spec = {"method": "tokenswift", "model": heads, "num_speculative_tokens": 8,
+            if mode not in ("ar", "ar-sync", "ar-fullpen"):
+                spec = {"method": "tokenswift", "model": heads, "num_speculative_tokens": args.k,
                         "tokenswift": {"kv_budget": 1024, "log_interval_s": 0}}
             print(f"starting {mode} ...", file=out, flush=True)
             llm = LLM(model=model, dtype="float32", max_model_len=args.prefix_len + args.new_tokens + 64,
@@ -116,6 +140,8 @@ def main() -> None:
                 llm.collective_rpc(_patch_empty)
             elif mode == "ts-nodraft":
                 llm.collective_rpc(_patch_nodraft)
+            elif mode == "ar-fullpen":
+                llm.collective_rpc(_patch_fullpen)
             # warm-up; it also puts the prompt's KV blocks in the prefix cache, so the timed
             # runs' prefill is short and their time is decode
             llm.generate([prompt], SamplingParams(max_tokens=16), use_tqdm=False)
@@ -149,7 +175,7 @@ def main() -> None:
             print(line, file=out, flush=True)
         if args.json:
             with open(args.json, "w") as fh:
-                json.dump({"prefix_len": args.prefix_len, "new_tokens": args.new_tokens,
+                json.dump({"model": args.model, "prefix_len": args.prefix_len, "new_tokens": args.new_tokens,
                            "batch_size": args.batch_size,
                            "sampling": args.sampling, "runs": runs}, fh, indent=1)
         for llm in engines.values():

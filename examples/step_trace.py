@@ -118,6 +118,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=1024)
     ap.add_argument("--prefix-len", type=int, default=2048)
     ap.add_argument("--sampling", default="paper", choices=("paper", "greedy"))
+    ap.add_argument("--model", default="smollm2",
+                    help="target: smollm2 (default), tiny (the bundled 12.6M demo model) or a folder")
+    ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens of ts and suffix")
     ap.add_argument("--json", default=None, help="write every step's record here")
     ap.add_argument("--log", default="/tmp/step_trace.log", help="vLLM's own log lines go here")
     args = ap.parse_args()
@@ -130,13 +133,13 @@ def main() -> None:
 
         from vllm_tokenswift.models import resolve_target
 
-        model, heads = resolve_target("smollm2")
+        model, heads = resolve_target(args.model)
         prompts = build_prompts(load_prompt_tokens(BenchConfig(model=model, prefix_len=args.prefix_len)),
                                 args.batch_size, args.prefix_len)
         specs = {"ar": None,
-                 "ts": {"method": "tokenswift", "model": heads, "num_speculative_tokens": 8,
+                 "ts": {"method": "tokenswift", "model": heads, "num_speculative_tokens": args.k,
                         "tokenswift": {"kv_budget": DEFAULT_KV_BUDGET, "log_interval_s": 0}},
-                 "suffix": {"method": "suffix", "num_speculative_tokens": 8,
+                 "suffix": {"method": "suffix", "num_speculative_tokens": args.k,
                             "suffix_decoding_max_cached_requests": 0}}
         sp = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, **SAMPLING_PRESETS[args.sampling])
         if args.sampling == "paper":

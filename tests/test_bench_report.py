@@ -254,6 +254,36 @@ def test_prompts_and_prefix_cap():
         harness.effective_prefix_len(2048, [4090], 4096)
 
 
+def test_book_prompts_one_per_long_enough_book(tmp_path, monkeypatch):
+    """Prompts come from the first books with ``skip + prefix_len`` tokens, one per book,
+    after ``skip`` tokens; a book longer than the tokenised prefix of its text is still
+    found; too few books is a clear error."""
+    books = tmp_path / "books.jsonl"
+    texts = ["abc", "0123456789" * 3, "x" * 200 + "y" * 10, "klmnopqrstuv"]
+    books.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+
+    def tok(text, add_special_tokens=False):    # one token per character
+        return {"input_ids": [ord(c) for c in text]}
+
+    got = harness.book_prompts(tok, 2, 4, skip=2, path=books)
+    assert got == [[ord(c) for c in "2345"], [ord(c) for c in "xxxx"]]
+    got = harness.book_prompts(tok, 1, 5, skip=200, path=books)
+    assert got == [[ord("y")] * 5]
+    # 16 * (skip + prefix_len) characters are tokenised first, the whole text if they
+    # give too few tokens (here one token per 30-character word)
+    words = tmp_path / "words.jsonl"
+    words.write_text(json.dumps({"text": " ".join(f"{i:030d}" for i in range(10))}) + "\n")
+
+    def word_tok(text, add_special_tokens=False):
+        return {"input_ids": [int(w) for w in text.split()]}
+
+    assert harness.book_prompts(word_tok, 1, 4, skip=1, path=words) == [[1, 2, 3, 4]]
+    monkeypatch.setenv("TOKENSWIFT_BOOKS", str(books))
+    assert harness.book_prompts(tok, 3, 4) == [[48, 49, 50, 51], [ord("x")] * 4, [ord(c) for c in "klmn"]]
+    with pytest.raises(ValueError, match="only 3 books"):
+        harness.book_prompts(tok, 4, 4)
+
+
 def test_json_token_prompt_files(tmp_path):
     f = tmp_path / "p.json"
     f.write_text(json.dumps([[5, 6, 7], [8]]))

@@ -47,6 +47,9 @@ DEFAULT_MODEL = "smollm2"
 TINY_MODEL = os.path.join(_PKG_DIR, "assets", "demo-model")
 TINY_HEADS = os.path.join(_PKG_DIR, "assets", "demo-heads")
 DEFAULT_PROMPT_GLOB = os.path.join(_PKG_DIR, "assets", "prompts", "*.txt")
+#: The Project Gutenberg corpus next to the checkout (``$TOKENSWIFT_BOOKS`` overrides it):
+#: one JSON object per line with the book's ``text``.
+DEFAULT_BOOKS = os.path.join(os.path.dirname(_PKG_DIR), "..", "shared", "data", "pg-books", "train.jsonl")
 #: TokenSwift defaults of the benchmark for SmolLM2 on CPU: k = 8 and a 1,024-token
 #: draft KV budget (8 KV blocks of 128 tokens on vLLM's CPU backend).
 DEFAULT_K = 8
@@ -382,6 +385,38 @@ def load_prompt_tokens(cfg: BenchConfig, tokenizer_loader: Callable[[str], Any] 
     if any(len(s) == 0 for s in streams):
         raise ValueError("a prompt file produced no tokens")
     return streams
+
+
+def book_prompts(tokenizer: Callable[..., Any], num_prompts: int, prefix_len: int, skip: int = 0,
+                 path: str | os.PathLike | None = None) -> list[list[int]]:
+    """Prompts of ``prefix_len`` tokens from the first ``num_prompts`` books of the
+    Project Gutenberg corpus that are long enough, one per book: tokens
+    ``skip .. skip + prefix_len`` of the book's text (``skip`` passes its front matter).
+
+    Args:
+        tokenizer: a ``transformers`` tokenizer (called as ``tokenizer(text,
+            add_special_tokens=False)["input_ids"]``).
+        path: the corpus (JSON lines with ``text``); default ``$TOKENSWIFT_BOOKS`` or
+            :data:`DEFAULT_BOOKS`.
+    Raises:
+        FileNotFoundError: no corpus at ``path``.
+        ValueError: fewer than ``num_prompts`` books have ``skip + prefix_len`` tokens.
+    """
+    path = os.fspath(path or os.environ.get("TOKENSWIFT_BOOKS") or DEFAULT_BOOKS)
+    need = skip + prefix_len
+    out: list[list[int]] = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            text = json.loads(line)["text"]
+            # tokenise a prefix of the text (whole books take seconds); all of it if short
+            ids = tokenizer(text[: 16 * need], add_special_tokens=False)["input_ids"]
+            if len(ids) < need and len(text) > 16 * need:
+                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(ids) >= need:
+                out.append(list(ids[skip:need]))
+                if len(out) == num_prompts:
+                    return out
+    raise ValueError(f"only {len(out)} books of {path} have {need} tokens; {num_prompts} needed")
 
 
 def build_prompts(streams: Sequence[Sequence[int]], batch_size: int, prefix_len: int
