@@ -15,7 +15,15 @@ that decision, and per number of scheduled tokens.
     python examples/step_trace.py --methods ar,ts --batch-size 8 --new-tokens 1024 --sampling paper
 
 The methods run one after another (not interleaved), so compare their per-step figures,
-not their wall times, and only within one invocation.
+not their wall times, and only within one invocation. With ``--rounds R`` (R > 1) every
+method's engine is started first and kept, and the runs alternate round by round, so slow
+drift of the machine hits every method alike; a last table then gives, per quarter of the
+run, the median milliseconds of single-token steps per method (medians over rounds):
+where a per-step gap between two engines lies, and whether it grows with the output.
+``ts-empty`` is a TokenSwift engine whose proposer returns no drafts at once.
+
+    python examples/step_trace.py --model tiny --k 4 --methods ar,ts-empty,ts \
+        --batch-size 1 --new-tokens 16384 --rounds 2
 """
 
 from __future__ import annotations
@@ -82,6 +90,42 @@ def _instrument(worker):
     return True
 
 
+def _patch_empty(worker):
+    d = worker.model_runner.drafter
+    d.propose_with_runner = lambda runner, scheduler_output, sampled, *a, **k: [[] for _ in sampled]
+    return True
+
+
+def _by_quarter(records: dict) -> str:
+    """Per method and quarter of the run, medians (over rounds) of the per-round median
+    milliseconds of single-token steps: execute_model, sampling (proposer excluded),
+    proposer, gap."""
+    ms = 1000.0
+    keys = (("exec", "exec"), ("sample", "sample-prop"), ("prop", "proposer"), ("gap", "gap"))
+    lines = ["single-token steps, median ms per quarter of the run (median over rounds):",
+             "  method      quarter  " + "  ".join(f"{h:>11}" for _, h in keys) + "        sum"]
+    for name, runs in records.items():
+        for q in range(4):
+            per_round = {k: [] for k, _ in keys}
+            for run in runs:
+                st = run["steps"]
+                part = [x for x in st[q * len(st) // 4:(q + 1) * len(st) // 4] if x["tok"] == 1]
+                if not part:
+                    continue
+                for k, _ in keys:
+                    if k == "sample":
+                        v = [x.get("sample", 0.0) - x.get("prop", 0.0) for x in part]
+                    else:
+                        v = [x.get(k, 0.0) for x in part]
+                    per_round[k].append(statistics.median(v) * ms)
+            if not per_round["exec"]:
+                continue
+            vals = [statistics.median(per_round[k]) for k, _ in keys]
+            lines.append(f"  {name:<11} {q + 1:>7}  " + "  ".join(f"{v:11.2f}" for v in vals)
+                         + f"  {sum(vals):9.2f}")
+    return "\n".join(lines)
+
+
 def _take(worker):
     r = worker.model_runner
     out, r._trace, r._trace_end = r._trace, [], None
@@ -121,6 +165,9 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2",
                     help="target: smollm2 (default), tiny (the bundled 12.6M demo model) or a folder")
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens of ts and suffix")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="runs per method, alternating round by round with every engine kept (default 1: "
+                         "one run each, engines one after another)")
     ap.add_argument("--json", default=None, help="write every step's record here")
     ap.add_argument("--log", default="/tmp/step_trace.log", help="vLLM's own log lines go here")
     args = ap.parse_args()
@@ -145,26 +192,49 @@ def main() -> None:
         if args.sampling == "paper":
             sp_other = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True,
                                       **{k: v for k, v in SAMPLING_PRESETS["paper"].items() if k != "min_p"})
-        records = {}
-        for name in args.methods.split(","):
-            if name not in specs:
-                raise SystemExit(f"unknown method {name!r}; one of {', '.join(specs)}")
+        specs["ts-empty"] = specs["ts"]
+        names = args.methods.split(",")
+        bad = [n for n in names if n not in specs]
+        if bad:
+            raise SystemExit(f"unknown methods {bad}; choose from {', '.join(specs)}")
+        if args.rounds < 1:
+            raise SystemExit("--rounds must be at least 1")
+        records = {name: [] for name in names}
+        engines = {}
+
+        def start(name):
             print(f"starting {name} ...", file=out, flush=True)
             llm = LLM(model=model, dtype="float32", max_model_len=args.prefix_len + args.new_tokens + 64,
                       enforce_eager=True, enable_prefix_caching=False, kv_cache_memory_bytes=int(1.25 * 2**30),
                       seed=0, speculative_config=specs[name], max_num_seqs=args.batch_size)
+            if name == "ts-empty":
+                llm.collective_rpc(_patch_empty)
             llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=32), use_tqdm=False)
             llm.collective_rpc(_instrument)
-            llm.collective_rpc(_take)
-            # stock vLLM refuses min_p with suffix decoding: that run drops it (as the benchmark does)
-            params = sp_other if (name == "suffix" and args.sampling == "paper") else sp
-            t = time.perf_counter()
-            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-            wall = time.perf_counter() - t
-            steps = llm.collective_rpc(_take)[0][1:]    # the first step's gap reaches back to the warm-up
-            records[name] = {"wall_s": wall, "steps": steps}
-            print(_summary(name, wall, steps), file=out, flush=True)
-            teardown_engine(llm)
+            return llm
+
+        if args.rounds > 1:
+            for name in names:
+                engines[name] = start(name)
+        for rnd in range(args.rounds):
+            for name in names:
+                llm = engines.get(name) or start(name)
+                llm.collective_rpc(_take)
+                # stock vLLM refuses min_p with suffix decoding: that run drops it (as the benchmark does)
+                params = sp_other if (name == "suffix" and args.sampling == "paper") else sp
+                t = time.perf_counter()
+                llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+                wall = time.perf_counter() - t
+                steps = llm.collective_rpc(_take)[0][1:]    # the first step's gap reaches back to the warm-up
+                records[name].append({"round": rnd, "wall_s": wall, "steps": steps})
+                label = name if args.rounds == 1 else f"{name} (round {rnd})"
+                print(_summary(label, wall, steps), file=out, flush=True)
+                if args.rounds == 1:
+                    teardown_engine(llm)
+        if args.rounds > 1:
+            print(_by_quarter(records), file=out, flush=True)
+            for llm in engines.values():
+                teardown_engine(llm)
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump({"args": vars(args), "runs": records}, fh)
