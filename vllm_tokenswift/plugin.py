@@ -838,7 +838,10 @@ PATCHES: tuple[Patch, ...] = (
         build=_patch_penalties,
         changes="rows whose request sets extra_args.repetition_penalty_window get the repetition "
                 "penalty over the last W tokens only (paper Eq. 3), at bonus and draft positions alike; "
-                "other rows and requests without a window are unchanged",
+                "other rows and requests without a window are unchanged. In a batch with a window, "
+                "vLLM's own penalty pass (masks and counts of the whole prompt and output) is skipped "
+                "when no row has a presence or frequency penalty or an unwindowed repetition penalty: "
+                "it would change nothing",
         why="the paper's sampling uses a windowed penalty; applying it in only one of the two samplers "
             "changes the output under speculative decoding",
         upstream="vLLM has no windowed repetition penalty; no upstream issue filed from here",
