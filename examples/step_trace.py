@@ -101,26 +101,18 @@ def _by_quarter(records: dict) -> str:
     milliseconds of single-token steps: execute_model, sampling (proposer excluded),
     proposer, gap."""
     ms = 1000.0
-    keys = (("exec", "exec"), ("sample", "sample-prop"), ("prop", "proposer"), ("gap", "gap"))
+    cols = (("exec", lambda x: x["exec"]), ("sample-prop", lambda x: x.get("sample", 0.0) - x.get("prop", 0.0)),
+            ("proposer", lambda x: x.get("prop", 0.0)), ("gap", lambda x: x.get("gap", 0.0)))
     lines = ["single-token steps, median ms per quarter of the run (median over rounds):",
-             "  method      quarter  " + "  ".join(f"{h:>11}" for _, h in keys) + "        sum"]
+             "  method      quarter  " + "  ".join(f"{h:>11}" for h, _ in cols) + "        sum"]
     for name, runs in records.items():
         for q in range(4):
-            per_round = {k: [] for k, _ in keys}
-            for run in runs:
-                st = run["steps"]
-                part = [x for x in st[q * len(st) // 4:(q + 1) * len(st) // 4] if x["tok"] == 1]
-                if not part:
-                    continue
-                for k, _ in keys:
-                    if k == "sample":
-                        v = [x.get("sample", 0.0) - x.get("prop", 0.0) for x in part]
-                    else:
-                        v = [x.get(k, 0.0) for x in part]
-                    per_round[k].append(statistics.median(v) * ms)
-            if not per_round["exec"]:
+            parts = [[x for x in st[q * len(st) // 4:(q + 1) * len(st) // 4] if x["tok"] == 1]
+                     for st in (run["steps"] for run in runs)]
+            parts = [p for p in parts if p]
+            if not parts:
                 continue
-            vals = [statistics.median(per_round[k]) for k, _ in keys]
+            vals = [statistics.median(statistics.median(f(x) for x in p) * ms for p in parts) for _, f in cols]
             lines.append(f"  {name:<11} {q + 1:>7}  " + "  ".join(f"{v:11.2f}" for v in vals)
                          + f"  {sum(vals):9.2f}")
     return "\n".join(lines)

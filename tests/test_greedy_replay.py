@@ -1,20 +1,14 @@
 """examples/greedy_replay.py: TokenSwift's n-gram drafting replayed over a fixed greedy output."""
 
-import importlib.util
-import os
 import random
 
 import pytest
-
-_PATH = os.path.join(os.path.dirname(__file__), "..", "examples", "greedy_replay.py")
+from example_utils import load_example
 
 
 @pytest.fixture(scope="module")
 def replay():
-    spec = importlib.util.spec_from_file_location("greedy_replay", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_example("greedy_replay")
 
 
 def test_replay_accounts_every_token_and_drafts_full_chains_on_a_loop(replay):

@@ -1,19 +1,12 @@
 """examples/step_trace.py: the per-step tables (the tracing itself needs vLLM and a model)."""
 
-import importlib.util
-import os
-
 import pytest
-
-_PATH = os.path.join(os.path.dirname(__file__), "..", "examples", "step_trace.py")
+from example_utils import load_example
 
 
 @pytest.fixture(scope="module")
 def trace():
-    spec = importlib.util.spec_from_file_location("step_trace", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_example("step_trace")
 
 
 def _step(tok, exec_ms, sample_ms, prop_ms, gap_ms, **kw):

@@ -65,7 +65,7 @@ def window_tokens(prompt_row: torch.Tensor | np.ndarray | list[int], output: lis
     """
     if window <= 0:
         return []
-    tail = output[-window:] if len(output) > window else list(output)
+    tail = output[-window:]
     if tail and min(tail) < 0:
         # placeholders inside the window: filter the whole output, then take the window
         tail = [t for t in output if t >= 0][-window:]

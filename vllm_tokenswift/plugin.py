@@ -500,7 +500,7 @@ def _patch_penalties(orig: dict) -> dict:
             sampling_metadata.presence_penalties[repeat_indices],
             sampling_metadata.frequency_penalties[repeat_indices],
             sampling_metadata.repetition_penalties[repeat_indices], output_token_ids,
-            [wins[r] for r in ri], rest_needed=state.rest_needed(sorted(set(ri))))
+            [wins[r] for r in ri], rest_needed=state.rest_needed(ri))
 
     return {f"{_SAMPLER}:Sampler.apply_penalties": sampler_apply_penalties,
             f"{_RS}:RejectionSampler.apply_penalties": rejection_apply_penalties}
