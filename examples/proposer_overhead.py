@@ -33,6 +33,10 @@ def main() -> None:
     ap.add_argument("--sampling", default="greedy,paper")
     ap.add_argument("--tokenswift", default="{}")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also profile the proposer (cProfile) and print its N costliest functions "
+                         "per run, by own time (profiling slows the proposer: the ms figures of a "
+                         "profiled run are not comparable with an unprofiled one)")
     ap.add_argument("--plot", default=None, metavar="PNG",
                     help="plot the saved runs given as arguments instead of measuring")
     ap.add_argument("runs", nargs="*", help="with --plot: JSON files written by --json")
@@ -74,6 +78,14 @@ def main() -> None:
             calls["n"] += 1
 
     prop.propose_with_runner = timed
+    prof = None
+    if args.profile:
+        import cProfile
+
+        def profiled(*a, _inner=timed, **k):
+            return _inner(*a, **k) if prof is None else prof.runcall(_inner, *a, **k)
+
+        prop.propose_with_runner = profiled
     results = []
     for samp in args.sampling.split(","):
         if samp == "greedy":
@@ -90,6 +102,8 @@ def main() -> None:
             llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
             prop.stats.__init__()
             calls.update(n=0, t=0.0)
+            if args.profile:
+                prof = cProfile.Profile()
             t0 = time.perf_counter()
             llm.generate(prompts, sp, use_tqdm=False)
             wall = time.perf_counter() - t0
@@ -102,9 +116,25 @@ def main() -> None:
                    "own_ms_per_step": 1000 * own / max(calls["n"], 1)}
             results.append(row)
             print(json.dumps(row), flush=True)
+            if args.profile:
+                print_profile(prof, calls["n"], args.profile)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"tokenswift": ts, "results": results}, fh, indent=1)
+
+
+def print_profile(prof, steps: int, top: int) -> None:
+    """The ``top`` functions with the most own time (``tottime``) in the proposer, as
+    microseconds per engine step and share of the profiled proposer time."""
+    import pstats
+
+    st = pstats.Stats(prof)
+    total = sum(v[2] for v in st.stats.values()) or 1.0
+    rows = sorted(st.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    print(f"  {'us/step':>8} {'share':>6} {'calls/step':>10}  function")
+    for (path, line, name), (_cc, nc, tt, _ct, _callers) in rows:
+        where = f"{os.path.basename(path)}:{line}({name})" if line else name
+        print(f"  {1e6 * tt / max(steps, 1):8.1f} {100 * tt / total:5.1f}% {nc / max(steps, 1):10.1f}  {where}")
 
 
 def plot(paths: list[str], out: str) -> None:

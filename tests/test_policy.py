@@ -131,6 +131,58 @@ def test_acceptance_engine_figures_are_kept_per_group():
     assert am.cumulative(am.new_request("greedy"), "forward", 2)[1] > 0.95
 
 
+def test_cost_model_solves_again_every_refresh_every_observations():
+    """With ``refresh_every=8`` the estimates are re-solved on each of the first 16 step
+    observations, then only after every 8th (or a draft-forward/fused observation);
+    ``refresh_every=1`` re-solves after every observation."""
+    lazy, eager = pol.CostModel(refresh_every=8), pol.CostModel()
+    history = []
+    for i in range(40):
+        for cm in (lazy, eager):
+            cm.observe_step(0.1 + 0.001 * i, rows=1, draft_tokens=0)
+        history.append((lazy.costs()["a"], eager.costs()["a"]))
+    # warm-up: both track every observation
+    assert [h[0] for h in history[:16]] == [h[1] for h in history[:16]]
+    # then the lazy one holds its solution for 7 observations and catches up on the 8th
+    for i in range(16, 40):
+        lazy_a, eager_a = history[i]
+        since = (i - 15) % 8
+        if since == 0:
+            assert lazy_a == eager_a, i
+        else:
+            assert lazy_a == history[i - since][1] and lazy_a < eager_a, i
+    lazy.observe_forward(0.05, rows=1)          # a forward observation re-solves at once,
+    eager.observe_forward(0.05, rows=1)
+    assert lazy.costs() == eager.costs()        # the step fit's pending observations too
+    c = lazy.costs()
+    c["a"] = -1.0                               # callers get a copy
+    assert lazy.costs()["a"] > 0
+    with pytest.raises(ValueError, match="refresh_every"):
+        pol.CostModel(refresh_every=0)
+
+
+def test_cumulative_is_cached_until_the_counts_change():
+    """``cumulative`` returns the same (read-only) array while neither the request's nor
+    its group's counts of that option changed, and a fresh one when either did."""
+    am = pol.AcceptanceModel(depth=4, prior_weight=4.0)
+    req, other = am.new_request("sampled"), am.new_request("sampled")
+    first = am.cumulative(req, pol.FORWARD, 4)
+    assert am.cumulative(req, pol.FORWARD, 4) is first
+    assert not first.flags.writeable
+    assert am.cumulative(req, pol.FORWARD, 2).tolist() == first[:2].tolist()
+    am.record(req, pol.NGRAM, 3, 0)                  # another option: no change
+    assert am.cumulative(req, pol.FORWARD, 4).tolist() == first.tolist()
+    am.record(other, pol.FORWARD, 4, 0)              # the group's figure moved
+    second = am.cumulative(req, pol.FORWARD, 4)
+    assert second[0] < first[0]
+    am.record(req, pol.FORWARD, 4, 4)                # the request's own counts moved
+    third = am.cumulative(req, pol.FORWARD, 4)
+    assert third[0] > second[0]
+    assert third.tolist() == np.cumprod(am.probs(req, pol.FORWARD)).tolist()
+    am.record(am.new_request("greedy"), pol.FORWARD, 4, 4)   # another group: no change
+    assert am.cumulative(req, pol.FORWARD, 4) is third
+
+
 def test_depth_counts_reached_and_accepted():
     dc = pol.DepthCounts(depth=4, decay=1.0)
     dc.update(4, 2)   # positions 0, 1 accepted, 2 rejected, 3 not reached
@@ -374,7 +426,80 @@ def test_plan_search_matches_the_numpy_reference_on_random_batches():
                  "f0": a * rng.uniform(0.1, 1.0), "f1": a * rng.uniform(0, 0.3),
                  "h0": a * rng.uniform(0, 0.3), "h1": a * rng.uniform(0, 0.1)}
         for allowed in pol._COMBOS[1:]:
-            got = pol._plan(rows, allowed, costs)
+            got = pol._plan(pol._candidates(rows), allowed, costs)
             ref = _reference_plan(rows, allowed, costs)
             assert got[1] == ref[1] and got[2] == ref[2], trial
             assert got[0] == pytest.approx(ref[0], rel=1e-12) and got[4] == pytest.approx(ref[4], rel=1e-12)
+
+
+def _random_batch(rng, forced_share=0.1):
+    R = int(rng.integers(1, 33))
+    rows = []
+    for _ in range(R):
+        cums = {pol.NONE: np.zeros(0)}
+        for kind, n in ((pol.NGRAM, 8), (pol.FORWARD, 4), (pol.FUSED, 3)):
+            if rng.random() < 0.8:
+                cums[kind] = np.cumprod(rng.uniform(0.0, 1.0, int(rng.integers(1, n + 1)))
+                                        * rng.uniform(0.0, 1.0))
+        forced = None
+        if rng.random() < forced_share:
+            forced = [k for k in cums if k != pol.NONE][0] if len(cums) > 1 else None
+        rows.append(pol.RowOptions(cums, forced))
+    a = float(rng.uniform(0.01, 0.2))
+    costs = {"a": a, "g": a * rng.uniform(0, 0.4), "b": a * rng.uniform(0.01, 0.5),
+             "f0": a * rng.uniform(0.1, 1.0), "f1": a * rng.uniform(0, 0.3),
+             "h0": a * rng.uniform(0, 0.3), "h1": a * rng.uniform(0, 0.1)}
+    return rows, costs
+
+
+def _reference_decide(rows, costs, min_gain):
+    """``decide`` without the drafting bound: every combination planned."""
+    forced_kinds = {r.forced for r in rows if r.forced is not None}
+    best = plain = None
+    for allowed in pol._COMBOS:
+        if not forced_kinds <= allowed:
+            continue
+        if allowed == {pol.NONE}:
+            d = pol.plain_decision(rows, costs)
+            plain = (d.throughput, d.kinds, d.lengths)
+            continue
+        plan = _reference_plan(rows, allowed, costs)
+        if best is None or plan[0] > best[0] * (1 + 1e-12):
+            best = plan
+    if plain is not None and (best is None or not any(best[2])
+                              or best[0] <= plain[0] * (1 + max(0.0, min_gain))):
+        best = plain
+    return best[1], best[2]
+
+
+def test_plain_shortcut_never_changes_the_decision(monkeypatch):
+    """On 400 random batches ``decide`` (which returns plain decoding without planning
+    when ``_no_plan_beats``) chooses what planning every combination chooses; whenever
+    the shortcut says no plan beats the margin, no combination's plan does; and it
+    did cut planning short on a good share of the batches (else this test would test
+    nothing)."""
+    rng = np.random.default_rng(1)
+    calls = {"n": 0}
+    real_plan = pol._plan
+
+    def counting(*a, **k):
+        calls["n"] += 1
+        return real_plan(*a, **k)
+
+    monkeypatch.setattr(pol, "_plan", counting)
+    pruned = 0
+    for trial in range(400):
+        rows, costs = _random_batch(rng)
+        min_gain = float(rng.choice([0.0, pol.MIN_GAIN, 0.2]))
+        calls["n"] = 0
+        d = pol.decide(rows, costs, min_gain)
+        assert (d.kinds, d.lengths) == _reference_decide(rows, costs, min_gain), trial
+        if any(r.forced for r in rows):
+            continue
+        pruned += calls["n"] == 0
+        theta0 = (1 + min_gain) * len(rows) / costs["a"]
+        if pol._no_plan_beats(pol._candidates(rows), costs, theta0):
+            for allowed in pol._COMBOS[1:]:
+                theta, _k, lens, _t, _tok = real_plan(pol._candidates(rows), allowed, costs)
+                assert not any(lens) or theta <= theta0, trial
+    assert pruned >= 80, pruned

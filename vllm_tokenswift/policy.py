@@ -220,6 +220,12 @@ class CostModel:
         strength: weight of the priors of the forward/fused fits (pseudo-observations).
         step_strength: weight of the priors of the step fit (weaker: every step
             observes it, and its split between ``a``, ``g`` and ``b`` is what decides).
+        refresh_every: once ``2·refresh_every`` steps were observed, the estimates are
+            solved again only after this many new step observations (or any draft
+            forward / fused observation); in between :meth:`costs` returns the last
+            solution. One observation moves a fit over ``window`` of them by little,
+            and the three solves cost about as much as the rest of the policy's step
+            (1: solve after every observation).
     """
 
     window: int = 64
@@ -231,6 +237,7 @@ class CostModel:
     prior_forward_row: float = 0.3
     prior_fused: float = 0.15
     prior_fused_row: float = 0.05
+    refresh_every: int = 1
     #: order of :meth:`state`
     KEYS = ("a", "g", "b", "f0", "f1", "h0", "h1")
     _step: _RidgeFit = field(init=False)
@@ -240,8 +247,13 @@ class CostModel:
     _rows: deque = field(default_factory=deque, init=False)
     _plain: int = field(default=0, init=False)
     _frozen: dict | None = field(default=None, init=False)
+    _cached: dict | None = field(default=None, init=False)
+    _steps_seen: int = field(default=0, init=False)
+    _stale_steps: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
+        if self.refresh_every < 1:
+            raise ValueError(f"refresh_every must be >= 1, got {self.refresh_every}")
         self._step = _RidgeFit(3, self.window, self.step_strength)
         self._fwd = _RidgeFit(2, self.window, self.strength)
         self._fus = _RidgeFit(2, self.window, self.strength)
@@ -261,16 +273,22 @@ class CostModel:
         self._rows.append(rows)
         while len(self._rows) > self.window:
             self._rows.popleft()
+        self._steps_seen += 1
+        self._stale_steps += 1
+        if self._stale_steps >= self.refresh_every or self._steps_seen <= 2 * self.refresh_every:
+            self._cached = None
 
     def observe_forward(self, seconds: float, rows: int) -> None:
         """One draft forward over ``rows`` requests (view planning included)."""
         if seconds > 0 and rows > 0:
             self._fwd.add((1.0, rows), seconds)
+            self._cached = None
 
     def observe_fused(self, seconds: float, rows: int) -> None:
         """Fused heads (+ LM head) for ``rows`` requests."""
         if seconds > 0 and rows > 0:
             self._fus.add((1.0, rows), seconds)
+            self._cached = None
 
     def plain_observations(self) -> int:
         """Steps in the window that verified no draft token (they pin down ``a`` apart
@@ -291,7 +309,14 @@ class CostModel:
         return self._estimate()
 
     def _estimate(self) -> dict:
-        """This rank's own estimates from its observations (never the frozen ones)."""
+        """This rank's own estimates from its observations (never the frozen ones),
+        solved again when :attr:`refresh_every` says so (a copy: callers may change it)."""
+        if self._cached is None:
+            self._cached = self._solve()
+            self._stale_steps = 0
+        return dict(self._cached)
+
+    def _solve(self) -> dict:
         a_prior = self._a0 if self._a0 is not None else 1.0
         rows = sum(self._rows) / len(self._rows) if self._rows else 1.0
         a, g, b = self._step.solve((a_prior, self.prior_g * a_prior, self.prior_b * a_prior / rows),
@@ -333,6 +358,8 @@ class DepthCounts:
     decay: float = 0.995
     reached: np.ndarray = field(init=False)
     accepted: np.ndarray = field(init=False)
+    #: bumped by every :meth:`update` that changes the counts (keys the estimate caches)
+    version: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         self.reached = np.zeros(self.depth)
@@ -350,6 +377,7 @@ class DepthCounts:
         forward looked worth 2.6 tokens while it realised 0.9)."""
         if num_verified <= 0 and span <= 0:
             return
+        self.version += 1
         self.reached *= self.decay
         self.accepted *= self.decay
         n = min(max(num_verified, span), self.depth)
@@ -426,8 +454,20 @@ class AcceptanceModel:
         return shrunk(r.accepted, r.reached, self.engine_probs(kind, req["group"]), self.prior_weight)
 
     def cumulative(self, req: dict, kind: str, length: int) -> np.ndarray:
-        """``cum_j`` = P(first j+1 drafts accepted), ``j < length``."""
-        return np.cumprod(self.probs(req, kind)[:length])
+        """``cum_j`` = P(first j+1 drafts accepted), ``j < length`` (float64, read-only).
+
+        Cached in ``req`` and computed again only when the request's or its group's
+        counts of ``kind`` changed (:attr:`DepthCounts.version`): most steps book no
+        verification of most options, and the proposer asks every step."""
+        key = (req[kind].version, self._group(req["group"])[kind].version, length)
+        cache = req.setdefault("_cum", {})
+        hit = cache.get(kind)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        cum = np.cumprod(self.probs(req, kind)[:length])
+        cum.setflags(write=False)
+        cache[kind] = (key, cum)
+        return cum
 
 
 @dataclass
@@ -530,26 +570,80 @@ def _step_seconds(costs: dict, draft_tokens: int, n_fwd: int, n_fus: int) -> flo
     return t
 
 
-def _plan(rows: Sequence[RowOptions], allowed: set, costs: dict, iters: int = 6):
-    """Best plan when only ``allowed`` options exist: Dinkelbach on the throughput.
-
-    Each row's candidate chains are turned into Python lists with their prefix sums once,
-    so that every Dinkelbach round costs O(rows × options × k) float comparisons: an
-    option's surplus at cut ``c`` is ``Σ_j max(0, cum_j - c)`` over its prefix of drafts
-    with ``cum_j > c`` (``cum`` is non-increasing). Done with numpy on arrays of at most k
-    values, :func:`decide` took 4x longer at 8 rows (0.36 against 0.09 ms)."""
-    R = len(rows)
-    b = costs["b"]
-    cands = []   # per row: (forced, [(kind, cum values, prefix sums)])
+def _candidates(rows: Sequence[RowOptions]) -> list:
+    """Per row: ``(forced, [(kind, cum values, prefix sums), ...])`` over the draft options
+    it may take (its forced one only, when forced), as Python lists, built once per
+    :func:`decide` for all the combinations it tries."""
+    cands = []
     for row in rows:
         opts = [row.forced] if row.forced is not None else list(row.cums.keys())
         lst = []
         for kind in opts:
-            if kind == NONE or kind not in allowed or kind not in row.cums:
+            if kind == NONE or kind not in row.cums:
                 continue
             vals = [float(v) for v in row.cums[kind]]
             lst.append((kind, vals, [0.0, *accumulate(vals)]))
         cands.append((row.forced is not None, lst))
+    return cands
+
+
+def _no_plan_beats(cands: list, costs: dict, theta0: float) -> bool:
+    """True when no plan that drafts can exceed ``theta0`` tokens/s (no forced rows).
+
+    Dinkelbach's test at ``θ0``: a plan beats ``θ0`` only if ``R + gain - θ0·T > 0``.
+    For the plans that may use the options of one fixed-cost combination (n-gram chains,
+    plus the draft forward and/or the fused heads with their fixed costs ``f0``/``h0``
+    charged, and ``g`` charged always: a plan without drafts gives ``R - θ0·a <= 0``
+    anyway), the largest value separates over the rows: each row adds the best of 0 and
+    its options' ``Σ_j max(0, cum_j - θ0·b)``, less ``θ0·f1`` (``θ0·h1``) for the
+    forward (fused heads). A plan that uses fewer options than its combination is
+    counted, with the right fixed costs, by the smaller combination. So when every
+    combination's value is at most 0, so is every plan's. O(rows × options × k)."""
+    a, b = costs["a"], costs["b"]
+    cut = b * theta0
+    tot = [0.0, 0.0, 0.0, 0.0]      # {ngram}, {ngram, forward}, {ngram, fused}, all
+    has_fwd = has_fus = False
+    for _forced, lst in cands:
+        s_ng = s_fw = s_fu = 0.0
+        for kind, vals, _pre in lst:
+            sur = 0.0
+            for v in vals:
+                if v > cut:
+                    sur += v - cut
+            if kind == NGRAM:
+                s_ng = sur
+            elif kind == FORWARD:
+                has_fwd = True
+                s_fw = sur - theta0 * costs["f1"]
+            elif kind == FUSED:
+                has_fus = True
+                s_fu = sur - theta0 * costs["h1"]
+        tot[0] += s_ng
+        tot[1] += max(s_ng, s_fw)
+        tot[2] += max(s_ng, s_fu)
+        tot[3] += max(s_ng, s_fw, s_fu)
+    R = len(cands)
+    base = a + costs.get("g", 0.0)
+    values = [R - theta0 * base + tot[0]]
+    if has_fwd:
+        values.append(R - theta0 * (base + costs["f0"]) + tot[1])
+    if has_fus:
+        values.append(R - theta0 * (base + costs["h0"]) + tot[2])
+    if has_fwd and has_fus:
+        values.append(R - theta0 * (base + costs["f0"] + costs["h0"]) + tot[3])
+    return max(values) < -1e-9 * R
+
+
+def _plan(cands: list, allowed: set, costs: dict, iters: int = 6):
+    """Best plan when only ``allowed`` options exist: Dinkelbach on the throughput.
+
+    ``cands``: :func:`_candidates` of the rows. Every Dinkelbach round costs
+    O(rows × options × k) float comparisons: an option's surplus at cut ``c`` is
+    ``Σ_j max(0, cum_j - c)`` over its prefix of drafts with ``cum_j > c`` (``cum`` is
+    non-increasing). Done with numpy on arrays of at most k values, :func:`decide` took
+    4x longer at 8 rows (0.36 against 0.09 ms)."""
+    R = len(cands)
+    b = costs["b"]
     theta = R / costs["a"]  # plain decoding's throughput as the first guess
     kinds = [NONE] * R
     lens = [0] * R
@@ -563,6 +657,8 @@ def _plan(rows: Sequence[RowOptions], allowed: set, costs: dict, iters: int = 6)
         for i, (forced, lst) in enumerate(cands):
             best, best_s, best_k, best_gain = NONE, 0.0, 0, 0.0
             for kind, vals, pre in lst:
+                if kind not in allowed:
+                    continue
                 k = 0
                 for v in vals:             # non-increasing: the drafts worth more than the cut
                     if not v > cut:
@@ -620,6 +716,9 @@ def decide(rows: Sequence[RowOptions], costs: dict, min_gain: float = MIN_GAIN) 
     expected accepted tokens do not cover it. Combinations that do not allow a
     request's forced option are skipped. Plain decoding, when allowed, also wins
     unless the best drafting plan beats it by more than ``min_gain`` (relative).
+    When no drafting plan can beat that margin (:func:`_no_plan_beats`), plain
+    decoding is returned without planning (the same decision, found in
+    O(rows × options × k): most steps of a sampled request end here).
 
     Args:
         rows: per request (batch order), its :class:`RowOptions`.
@@ -632,6 +731,10 @@ def decide(rows: Sequence[RowOptions], costs: dict, min_gain: float = MIN_GAIN) 
     if not rows:
         return Decision([], [], 0.0, 0.0, 0.0, 0.0)
     forced_kinds = {r.forced for r in rows if r.forced is not None}
+    cands = _candidates(rows)
+    margin = 1 + max(0.0, min_gain)
+    if not forced_kinds and _no_plan_beats(cands, costs, margin * len(rows) / costs["a"]):
+        return plain_decision(rows, costs)
     best = plain = None
     for allowed in _COMBOS:
         if not forced_kinds <= allowed:
@@ -640,7 +743,7 @@ def decide(rows: Sequence[RowOptions], costs: dict, min_gain: float = MIN_GAIN) 
             d = plain_decision(rows, costs)
             plain = (d.throughput, d.kinds, d.lengths, d.step_seconds, d.expected_tokens)
             continue
-        plan = _plan(rows, allowed, costs)
+        plan = _plan(cands, allowed, costs)
         if best is None or plan[0] > best[0] * (1 + 1e-12):
             best = plan
     if plain is not None and (best is None or not any(best[2])

@@ -77,6 +77,9 @@ EXPLORE_MAX = 768
 EXPLORE_ALIGN = 16
 #: tensor parallelism: rank 0's cost model is broadcast every this many steps
 COST_SYNC_EVERY = 16
+#: the cost model's fits are solved again after this many step observations (any draft
+#: forward or fused-heads observation re-solves at once; see policy.CostModel)
+COST_REFRESH_EVERY = 8
 #: n-gram chains are built down to this cumulative frequency (the policy cuts them)
 NGRAM_FLOOR = 0.05
 
@@ -216,7 +219,7 @@ class TokenSwiftProposer:
         self.access = TargetAccess(vllm_config, self.block_size, self.vocab_size, self.tp_size)
         self.heads = None
         self._planner: ViewPlanner | None = None
-        self.costs = pol.CostModel()
+        self.costs = pol.CostModel(refresh_every=COST_REFRESH_EVERY)
         self.acceptance = pol.AcceptanceModel(self.num_spec_tokens)
         self.calibration = pol.Calibration(positions=self.num_spec_tokens)
         self._step = 0
