@@ -99,6 +99,7 @@ def main() -> None:
             reps = -(-(bs * 97 + args.prefix_len) // len(ids))
             book = ids * reps
             prompts = [TokensPrompt(prompt_token_ids=book[i * 97: i * 97 + args.prefix_len]) for i in range(bs)]
+            prof = None                      # the warm-up is neither timed nor profiled
             llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
             prop.stats.__init__()
             calls.update(n=0, t=0.0)

@@ -331,9 +331,10 @@ class CostModel:
     # ---------------------------------------------------------------- TP sync
     def state(self) -> np.ndarray:
         """The current estimates as a float64 vector in :attr:`KEYS` order (rank 0
-        broadcasts it). Always this rank's own observations, also after :meth:`load_state`
-        froze what :meth:`costs` returns, so rank 0 keeps broadcasting fresh numbers."""
-        c = self._estimate()
+        broadcasts it). Always this rank's own observations, solved from all of them
+        (whatever :attr:`refresh_every`), also after :meth:`load_state` froze what
+        :meth:`costs` returns, so rank 0 keeps broadcasting fresh numbers."""
+        c = self._solve()
         return np.array([c[k] for k in self.KEYS], dtype=np.float64)
 
     def load_state(self, vec: Sequence[float]) -> None:
@@ -426,7 +427,9 @@ class AcceptanceModel:
 
     def new_request(self, group: str = "all") -> dict:
         """Fresh per-request counts (keep them in the request's state); ``group`` names
-        the engine-wide figures this request learns from and contributes to."""
+        the engine-wide figures this request learns from and contributes to. The dict
+        maps every option of :data:`DRAFT_KINDS` to its :class:`DepthCounts`, ``"group"``
+        to the group, and ``"_cum"`` to :meth:`cumulative`'s cache once asked."""
         req: dict = {k: DepthCounts(self.depth, decay=0.98) for k in DRAFT_KINDS}
         req["group"] = group
         return req
@@ -459,14 +462,15 @@ class AcceptanceModel:
         Cached in ``req`` and computed again only when the request's or its group's
         counts of ``kind`` changed (:attr:`DepthCounts.version`): most steps book no
         verification of most options, and the proposer asks every step."""
-        key = (req[kind].version, self._group(req["group"])[kind].version, length)
+        own, eng = req[kind], self._group(req["group"])[kind]
+        key = (own.version, eng.version, length)
         cache = req.setdefault("_cum", {})
         hit = cache.get(kind)
-        if hit is not None and hit[0] == key:
-            return hit[1]
+        if hit is not None and hit[0] is own and hit[1] is eng and hit[2] == key:
+            return hit[3]
         cum = np.cumprod(self.probs(req, kind)[:length])
         cum.setflags(write=False)
-        cache[kind] = (key, cum)
+        cache[kind] = (own, eng, key, cum)
         return cum
 
 
@@ -588,7 +592,8 @@ def _candidates(rows: Sequence[RowOptions]) -> list:
 
 
 def _no_plan_beats(cands: list, costs: dict, theta0: float) -> bool:
-    """True when no plan that drafts can exceed ``theta0`` tokens/s (no forced rows).
+    """True only when no plan that drafts can exceed ``theta0`` tokens/s (a sufficient
+    test; always False when a row is forced, which must draft even at a loss).
 
     Dinkelbach's test at ``θ0``: a plan beats ``θ0`` only if ``R + gain - θ0·T > 0``.
     For the plans that may use the options of one fixed-cost combination (n-gram chains,
@@ -599,6 +604,8 @@ def _no_plan_beats(cands: list, costs: dict, theta0: float) -> bool:
     forward (fused heads). A plan that uses fewer options than its combination is
     counted, with the right fixed costs, by the smaller combination. So when every
     combination's value is at most 0, so is every plan's. O(rows × options × k)."""
+    if any(forced for forced, _lst in cands):
+        return False
     a, b = costs["a"], costs["b"]
     cut = b * theta0
     tot = [0.0, 0.0, 0.0, 0.0]      # {ngram}, {ngram, forward}, {ngram, fused}, all
