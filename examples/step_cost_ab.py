@@ -48,12 +48,6 @@ import time
 MODES = ("ar", "ar-sync", "ts-empty", "ts-nodraft", "ts", "ar-fullpen")
 
 
-def _patch_empty(worker):
-    d = worker.model_runner.drafter
-    d.propose_with_runner = lambda runner, scheduler_output, sampled, *a, **k: [[] for _ in sampled]
-    return True
-
-
 def _patch_fullpen(worker):
     import numpy as np
     import torch
@@ -105,7 +99,7 @@ def main() -> None:
     # the two diagnostic modes send a function to the worker (collective_rpc), which vLLM
     # serialises with pickle only when allowed to
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    from vllm_tokenswift.bench.harness import book_prompts, engine_output_to, teardown_engine
+    from vllm_tokenswift.bench.harness import book_prompts, empty_proposer, engine_output_to, teardown_engine
 
     with engine_output_to(args.log) as (out, _err):
         from transformers import AutoTokenizer
@@ -137,7 +131,7 @@ def main() -> None:
                       speculative_config=spec, max_num_seqs=args.batch_size, disable_log_stats=False,
                       **({"async_scheduling": False} if mode == "ar-sync" else {}))
             if mode == "ts-empty":
-                llm.collective_rpc(_patch_empty)
+                llm.collective_rpc(empty_proposer)
             elif mode == "ts-nodraft":
                 llm.collective_rpc(_patch_nodraft)
             elif mode == "ar-fullpen":

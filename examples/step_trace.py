@@ -90,12 +90,6 @@ def _instrument(worker):
     return True
 
 
-def _patch_empty(worker):
-    d = worker.model_runner.drafter
-    d.propose_with_runner = lambda runner, scheduler_output, sampled, *a, **k: [[] for _ in sampled]
-    return True
-
-
 def _by_quarter(records: dict) -> str:
     """Per method and quarter of the run, medians (over rounds) of the per-round median
     milliseconds of single-token steps: execute_model, sampling (proposer excluded),
@@ -165,7 +159,7 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")   # collective_rpc with callables
     from vllm_tokenswift.bench.harness import (DEFAULT_KV_BUDGET, SAMPLING_PRESETS, BenchConfig, build_prompts,
-                                               engine_output_to, load_prompt_tokens, teardown_engine)
+                                               empty_proposer, engine_output_to, load_prompt_tokens, teardown_engine)
 
     with engine_output_to(args.log) as (out, _err):
         from vllm import LLM, SamplingParams
@@ -200,7 +194,7 @@ def main() -> None:
                       enforce_eager=True, enable_prefix_caching=False, kv_cache_memory_bytes=int(1.25 * 2**30),
                       seed=0, speculative_config=specs[name], max_num_seqs=args.batch_size)
             if name == "ts-empty":
-                llm.collective_rpc(_patch_empty)
+                llm.collective_rpc(empty_proposer)
             llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=32), use_tqdm=False)
             llm.collective_rpc(_instrument)
             return llm

@@ -704,3 +704,15 @@ def test_summary_carries_the_step_breakdown_table(tmp_path):
     md = open(paths["markdown"]).read()
     assert "## Where a TokenSwift step's time goes" in md and ts in md
     assert report.step_breakdown_table(report.summarize([_rec("ar", 100.0, gen=1000)])) == ""
+
+
+def test_empty_proposer_makes_the_drafter_return_no_drafts():
+    """``empty_proposer`` (sent to workers by the examples' ``ts-empty`` mode) replaces the
+    drafter's proposal with one empty chain per sampled row; a worker without a drafter
+    raises AttributeError."""
+    drafter = SimpleNamespace(propose_with_runner=lambda *a, **k: [[1, 2], [3]])
+    worker = SimpleNamespace(model_runner=SimpleNamespace(drafter=drafter))
+    assert harness.empty_proposer(worker) is True
+    assert drafter.propose_with_runner(None, None, [[5], [6, 7], []]) == [[], [], []]
+    with pytest.raises(AttributeError):
+        harness.empty_proposer(SimpleNamespace(model_runner=SimpleNamespace()))

@@ -508,6 +508,19 @@ def engine_output_to(log_path: str | os.PathLike | None) -> Iterator[tuple[TextI
         err.close()
 
 
+def empty_proposer(worker: Any) -> bool:
+    """Diagnostics, run in a worker through ``llm.collective_rpc(empty_proposer)``: make
+    its TokenSwift proposer return no drafts at once, leaving vLLM's speculative path
+    (spec-decode scheduling, the plugin's hooks) in place without the proposer's work.
+    The examples' ``ts-empty`` mode compares such an engine with plain decoding.
+
+    Returns True (collective_rpc's per-worker result). Raises AttributeError when the
+    worker's model runner has no drafter (not a speculative engine)."""
+    drafter = worker.model_runner.drafter
+    drafter.propose_with_runner = lambda runner, scheduler_output, sampled, *a, **k: [[] for _ in sampled]
+    return True
+
+
 def teardown_engine(llm: Any) -> None:
     """Shut an engine down and free its memory before the next one starts."""
     if llm is None:
