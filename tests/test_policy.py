@@ -458,38 +458,26 @@ def _random_batch(rng, forced_share=0.1, max_rows=32, low=0.0, lengths=(8, 4, 3)
     return rows, costs
 
 
-def _reference_decide(rows, costs, min_gain):
-    """``decide`` without the drafting bound: every combination planned."""
-    forced_kinds = {r.forced for r in rows if r.forced is not None}
-    best = plain = None
-    for allowed in pol._COMBOS:
-        if not forced_kinds <= allowed:
-            continue
-        if allowed == {pol.NONE}:
-            d = pol.plain_decision(rows, costs)
-            plain = (d.throughput, d.kinds, d.lengths)
-            continue
-        plan = _reference_plan(rows, allowed, costs)
-        if best is None or plan[0] > best[0] * (1 + 1e-12):
-            best = plan
-    if plain is not None and (best is None or not any(best[2])
-                              or best[0] <= plain[0] * (1 + max(0.0, min_gain))):
-        best = plain
-    return best[1], best[2]
-
-
 def test_plain_shortcut_never_changes_the_decision(monkeypatch):
     """On 600 random batches ``decide`` (which returns plain decoding without planning
-    when ``_no_plan_beats``) chooses what planning every combination chooses, and the
-    batches include both outcomes: steps the shortcut settled and steps that drafted
-    (else this test would test nothing)."""
+    when ``_no_plan_beats``) chooses what planning every combination chooses (``decide``
+    with the shortcut switched off), and the batches include both outcomes: steps the
+    shortcut settled and steps that drafted (else this test would test nothing)."""
     rng = np.random.default_rng(1)
     calls = {"n": 0}
-    real_plan = pol._plan
+    real_plan, real_shortcut = pol._plan, pol._no_plan_beats
 
     def counting(*a, **k):
         calls["n"] += 1
         return real_plan(*a, **k)
+
+    def reference(rows, costs, min_gain):
+        monkeypatch.setattr(pol, "_no_plan_beats", lambda *a: False)
+        try:
+            d = pol.decide(rows, costs, min_gain)
+        finally:
+            monkeypatch.setattr(pol, "_no_plan_beats", real_shortcut)
+        return d.kinds, d.lengths
 
     monkeypatch.setattr(pol, "_plan", counting)
     pruned = drafted = 0
@@ -497,9 +485,10 @@ def test_plain_shortcut_never_changes_the_decision(monkeypatch):
         rows, costs = _random_batch(rng, forced_share=0.1 if trial % 3 == 0 else 0.0,
                                     low=float(rng.choice([0.0, 0.3, 0.6, 0.8])))
         min_gain = float(rng.choice([-0.1, 0.0, pol.MIN_GAIN, 0.2]))
+        expected = reference(rows, costs, min_gain)
         calls["n"] = 0
         d = pol.decide(rows, costs, min_gain)
-        assert (d.kinds, d.lengths) == _reference_decide(rows, costs, min_gain), trial
+        assert (d.kinds, d.lengths) == expected, trial
         pruned += calls["n"] == 0
         drafted += any(d.lengths)
     assert pruned >= 100 and drafted >= 100, (pruned, drafted)

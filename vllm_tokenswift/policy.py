@@ -754,7 +754,7 @@ def decide(rows: Sequence[RowOptions], costs: dict, min_gain: float = MIN_GAIN) 
         if best is None or plan[0] > best[0] * (1 + 1e-12):
             best = plan
     if plain is not None and (best is None or not any(best[2])
-                              or best[0] <= plain[0] * (1 + max(0.0, min_gain))):
+                              or best[0] <= plain[0] * margin):
         best = plain
     theta, kinds, lens, t, tokens = best
     return Decision(kinds, lens, costs["b"] * theta, theta, t, tokens)
