@@ -445,8 +445,10 @@ def write_markdown(records: list[dict], path: str, meta: dict | None = None) -> 
         out += ["## Where a TokenSwift step's time goes", "",
                 "Milliseconds per engine step (all repeats): TokenSwift's proposer (its draft "
                 "forward and fused heads included), verification (the rest of the worker's step: "
-                "the target's forward and the rejection sampler; AR: the decode step) and the rest "
-                "of the wall time (scheduler, front end), next to AR's step at the same setting. "
+                "the target's forward and the rejection sampler) and the rest of the wall time "
+                "(the prompt's prefill, which runs before the proposer's first call, the scheduler "
+                "and the front end), next to AR's wall time per step at the same setting (its "
+                "prefill included, all under verification). "
                 "Steps per request count every engine step, plain ones included. Accepted per "
                 "step: accepted draft tokens per step of that kind.", "", steps, ""]
     with open(path, "w", encoding="utf-8") as f:
@@ -488,8 +490,9 @@ def step_breakdown(rows: list[dict]) -> list[dict]:
     ``gen_len`` over those steps. Returns dicts with
     ``method, sampling, batch_size, gen_len, tokens_per_step`` and ``step_ms``,
     ``draft_ms`` (proposer), ``verify_ms`` (the rest of the worker's step: target
-    forward + rejection sampling; AR: the decode step), ``other_ms`` (wall time outside
-    the worker), all in milliseconds per step, and ``decision_mix`` (TokenSwift rows:
+    forward + rejection sampling; AR: its whole wall time per step), ``other_ms`` (the rest
+    of the wall time: the prompt's prefill, which runs before the proposer's first call,
+    and the front end's work outside the timed steps), all in milliseconds per step, and ``decision_mix`` (TokenSwift rows:
     :func:`decision_mix_fractions` of the row's ``steps_by_kind``, else None; AR: None).
     TokenSwift rows without timings are left out.
     """
