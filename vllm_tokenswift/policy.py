@@ -741,7 +741,7 @@ def decide(rows: Sequence[RowOptions], costs: dict, min_gain: float = MIN_GAIN) 
     forced_kinds = {r.forced for r in rows if r.forced is not None}
     cands = _candidates(rows)
     margin = 1 + max(0.0, min_gain)
-    if not forced_kinds and _no_plan_beats(cands, costs, margin * len(rows) / costs["a"]):
+    if _no_plan_beats(cands, costs, margin * len(rows) / costs["a"]):   # False with forced rows
         return plain_decision(rows, costs)
     best = plain = None
     for allowed in _COMBOS:
