@@ -130,20 +130,29 @@ def _charge(res: dict, costs: dict, drafted: int, accepted: int) -> None:
     res["ms"] += costs["a"] + (costs["g"] if drafted else 0.0) + costs["b"] * drafted
 
 
-def _generate(path: str, n: int, prefix_len: int, num_prompts: int) -> None:
+def _generate(path: str, n: int, prefix_len: int, num_prompts: int, bench_prompt: bool = False) -> None:
     """Write ``path``: SmolLM2's greedy output of ``n`` tokens (plain vLLM decoding, one
     batch) for ``num_prompts`` prompts of ``prefix_len`` tokens, each from a different
-    Project Gutenberg book (the tokens after the book's first 2,000, past its front matter)."""
+    Project Gutenberg book (the tokens after the book's first 2,000, past its front matter),
+    or, with ``bench_prompt``, for the prompt that ``vllm-tokenswift bench`` gives a
+    batch-1 run of that ``prefix_len`` (the bundled prompts' first file)."""
+    from types import SimpleNamespace
+
     from transformers import AutoTokenizer
 
-    from vllm_tokenswift.bench.harness import book_prompts, engine_output_to
+    from vllm_tokenswift.bench.harness import book_prompts, build_prompts, engine_output_to, load_prompt_tokens
     from vllm_tokenswift.models import resolve_target
 
     model, _ = resolve_target("smollm2")
-    try:
-        prompts = book_prompts(AutoTokenizer.from_pretrained(model), num_prompts, prefix_len, skip=2000)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
+    if bench_prompt:
+        cfg = SimpleNamespace(random_prompts=False, prompt_files=None, model=model, tokenizer=None, seed=0)
+        prompts = build_prompts(load_prompt_tokens(cfg), 1, prefix_len)
+        num_prompts = 1
+    else:
+        try:
+            prompts = book_prompts(AutoTokenizer.from_pretrained(model), num_prompts, prefix_len, skip=2000)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     with engine_output_to("/tmp/greedy_replay_vllm.log") as (out, _err):
         from functools import partial
 
@@ -175,13 +184,15 @@ def main() -> None:
                     help="first write --tokens: N greedy tokens of SmolLM2 (needs vLLM)")
     ap.add_argument("--prefix-len", type=int, default=2000, help="with --generate: prompt tokens")
     ap.add_argument("--num-prompts", type=int, default=8, help="with --generate: prompts (books)")
+    ap.add_argument("--bench-prompt", action="store_true",
+                    help="with --generate: the benchmark's own batch-1 prompt of --prefix-len tokens instead of books")
     ap.add_argument("--lengths", default="1024,2048", help="output prefixes to replay")
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     ap.add_argument("--costs", default="35,0.5,3.0", help="a,g,b in ms (plain step, drafting step's extra, per draft token)")
     ap.add_argument("--plot", default=None, metavar="PNG", help="steps against generated tokens (first sequence)")
     args = ap.parse_args()
     if args.generate:
-        _generate(args.tokens, args.generate, args.prefix_len, args.num_prompts)
+        _generate(args.tokens, args.generate, args.prefix_len, args.num_prompts, args.bench_prompt)
     seqs = load_sequences(args.tokens)
     a, g, b = (float(x) for x in args.costs.split(","))
     costs = {"a": a, "g": g, "b": b, "f0": a, "f1": 0.0, "h0": a, "h1": 0.0}

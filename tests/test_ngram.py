@@ -74,18 +74,22 @@ def test_invalid_order():
 def test_recent_next_follows_the_latest_occurrence_of_the_long_context():
     """``recent_next``: the token after the latest earlier occurrence of the last ``long_n``
     tokens, with the larger of that token's n-gram conditional frequency and the long
-    context's own record; None for an unseen long
-    context, a short context or ``long_n`` 0."""
+    context's own record, whose prior is the record of all contexts of that length; None
+    for an unseen long context, a short context or ``long_n`` 0."""
     t = NGramTable(3, long_n=4)
     # 1 2 3 4 is followed by 5 twice, then by 9 (the latest); (3, 4) alone is followed by
     # 5 twice and 9 once
     t.extend([1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 9, 0])
     assert t.best_next([3, 4]) == (5, pytest.approx(2 / 3))
     # (1, 2, 3, 4) recurred twice; "the branch taken last time" was taken again once
-    # (5 after 5), not the second time (9 after 5): record (1 + 1) / (2 + 2) beats the
-    # n-gram frequency 1/3
+    # (5 after 5), not the second time (9 after 5). All 4-token contexts together
+    # recurred 7 times and were followed as before 6 times (only (1, 2, 3, 4) -> 9
+    # broke the rule): rate (6 + 1) / (7 + 2) = 7/9, so the record is
+    # (1 + 2·7/9) / (2 + 2) = 23/36, which beats the n-gram frequency 1/3
     assert t.after_record[(1, 2, 3, 4)] == (2, 1)
-    assert t.recent_next([0, 1, 2, 3, 4]) == (9, pytest.approx(0.5))
+    assert t.level_record[4] == [7, 6] and t.level_rate(4) == pytest.approx(7 / 9)
+    assert t.level_record[8] == [3, 2] and t.level_record[16] == [0, 0]
+    assert t.recent_next([0, 1, 2, 3, 4]) == (9, pytest.approx(23 / 36))
     assert t.after[(1, 2, 3, 4)] == 16 and t.tokens[16] == 9
     assert t.recent_next([7, 2, 3, 4]) is None          # these 4 tokens never occurred
     assert t.recent_next([3, 4]) is None                # shorter than long_n
@@ -110,17 +114,20 @@ def test_recent_next_confidence_grows_with_an_exact_loop():
     seen, hits = t.after_record[tuple((t.tokens + [1, 2])[-4:])]
     assert hits == seen and seen >= 4
     # the longest context that occurred before (4·long_n = 16 tokens, two loop periods)
-    # answers, with its own record
+    # answers, with its own record (3 of 3) and the 16-token level's rate as prior:
+    # every 16-token context that recurred (24) was followed as before
     seen16, hits16 = t.longer_record[0][hash(tuple((t.tokens + [1, 2])[-16:]))]
-    assert hits16 == seen16 >= 3
-    assert ctx_f == pytest.approx((hits16 + 1) / (seen16 + 2))
-    assert ctx_f >= 0.8
+    assert (seen16, hits16) == (3, 3)
+    assert t.level_record[16] == [24, 24] and t.level_rate(16) == pytest.approx(25 / 26)
+    assert ctx_f == pytest.approx((3 + 2 * 25 / 26) / (3 + 2))
+    assert ctx_f >= 0.98
 
 
 def test_short_next_backs_off_to_shorter_contexts_with_their_own_record():
     """``short_next``: for contexts the (n-1)-gram never saw, the token after the latest
     earlier occurrence of the last 2 tokens, else of the last 1 (n = 4), with confidence
-    hits / (repeats + 1) from that short context's own record."""
+    hits / (repeats + 1) from that short context's own record once it recurred, before
+    that the rate of all short contexts of its length."""
     t = NGramTable(4, long_n=8)
     assert t.short_lens == (2, 1)
     # (3, 4) is followed by 5, 5, then 6; 7 is followed by 8 once
@@ -129,15 +136,21 @@ def test_short_next_backs_off_to_shorter_contexts_with_their_own_record():
     assert t.short_next([0, 3, 4]) == (6, pytest.approx(1 / 3))
     assert t.best_next([0, 3, 4]) is None          # the 3-token context (0, 3, 4) is unseen
     # no 2-token match for (9, 7): the 1-token context 7 (seen once, never recurred)
-    assert t.short_next([9, 7]) == (8, 0.0)
+    # gets the rate of all 1-token contexts: 5 recurrences (3, 4, 5, 3, 4), 3 followed as
+    # before -> (3 + 1) / (5 + 2)
+    assert t.short_record[1].get((7,)) is None
+    assert t.level_record[1] == [5, 3] and t.level_record[2] == [3, 1]
+    assert t.short_next([9, 7]) == (8, pytest.approx(4 / 7))
     assert t.short_next([9, 9]) is None
     assert NGramTable(4, short=False).short_lens == ()
     assert NGramTable(3).short_lens == (1,) and NGramTable(2).short_lens == ()
 
 
-def test_ngram_chain_uses_short_contexts_only_once_they_proved_themselves():
-    """A chain falls back on a short context only when its record is positive: a context
-    seen once says nothing (confidence 0, below any floor)."""
+def test_ngram_chain_trusts_a_short_context_as_far_as_its_record_or_its_length_earned():
+    """A chain falls back on a short context with that context's own record once it
+    recurred; a context seen once gets the rate of all contexts of its length in this
+    request, so it drafts where short contexts were followed as before and stops at the
+    floor where they were not."""
     from vllm_tokenswift.chain import ngram_chain
 
     t = NGramTable(4)
@@ -145,9 +158,20 @@ def test_ngram_chain_uses_short_contexts_only_once_they_proved_themselves():
     # (7, 1, 2) never occurred; (1, 2) was followed by 9 every time: record (2, 2) -> 2/3
     ch = ngram_chain([7, 1, 2], t, max_len=1, min_conf=0.05)
     assert ch.tokens == [9] and ch.confs == [pytest.approx(2 / 3)]
+    # a fresh request: (1, 2) seen once, no short context recurred yet: rate 1/2; then
+    # the 3-token context (1, 2, 9) was always followed by 5
     fresh = NGramTable(4)
     fresh.extend([1, 2, 9, 5])
-    assert ngram_chain([7, 1, 2], fresh, max_len=2, min_conf=0.05).tokens == []
+    ch = ngram_chain([7, 1, 2], fresh, max_len=2, min_conf=0.05)
+    assert ch.tokens == [9, 5] and ch.confs == [pytest.approx(0.5), pytest.approx(1.0)]
+    # (1, 2) recurred three times with a new successor each time: 2-token contexts are
+    # followed as before at rate (0 + 1) / (3 + 2); (8, 9), seen once, gets that 1/5
+    branchy = NGramTable(4)
+    branchy.extend([1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2, 6, 8, 9, 10, 0])
+    assert branchy.level_record[2] == [3, 0]
+    assert ngram_chain([7, 8, 9], branchy, max_len=2, min_conf=0.3).tokens == []
+    ch = ngram_chain([7, 8, 9], branchy, max_len=2, min_conf=0.1)
+    assert ch.tokens == [10, 0] and ch.confs == [pytest.approx(0.2), pytest.approx(1.0)]
 
 
 def test_recent_next_tells_a_repeated_phrase_apart_by_the_longer_context():
@@ -170,5 +194,9 @@ def test_recent_next_tells_a_repeated_phrase_apart_by_the_longer_context():
     only8 = NGramTable(4)
     only8.longer_lens, only8.longer_after, only8.longer_record = (), [], []
     only8.extend(period * 12)
-    # without the longer contexts: the 3-gram frequency 1/2 is all the confidence left
+    # without the longer contexts: the phrase's own record (23 recurrences, no hit)
+    # outweighs its length's rate as prior, ((0 + 2·ρ8) / 25 < 0.08 although 8-token
+    # contexts of this loop are mostly followed as before), and the 3-gram frequency 1/2
+    # is all the confidence left
+    assert only8.after_record[tuple(phrase)] == (23, 0) and only8.level_rate(8) > 0.9
     assert only8.recent_next(t.tokens + period[:12] + phrase)[1] == pytest.approx(0.5)

@@ -20,13 +20,15 @@ accepted. It answers three questions in O(1) or O(k):
   branches that the (n-1)-token context cannot tell apart, the longer match
   follows the branch taken last time (O(1), one dict entry per token). Its
   confidence is the better of the n-gram frequency and the rule's own record for
-  that long context (how often "the branch taken last time" was taken again);
+  that long context (how often "the branch taken last time" was taken again), whose
+  prior is the same record summed over all contexts of the matched length
+  (:meth:`NGramTable.level_rate`);
 * :meth:`NGramTable.short_next` — the same rule on contexts shorter than the
   n-gram's (2 tokens, then 1), the back-off when neither the long context nor the
   (n-1)-token context was ever seen (suffix decoding likewise drafts from the
   longest suffix that matched, however short); its confidence is that context's
-  own record only, so the drafting policy's calibration sees how little it is
-  worth.
+  own record once it recurred, before that the record of all contexts of its
+  length, so the drafting policy's calibration sees how little it is worth.
 
 All state is plain Python (dicts and lists of ints); no tensors.
 """
@@ -38,6 +40,9 @@ from collections.abc import Iterable, Sequence
 
 #: default length of the context :meth:`NGramTable.recent_next` matches
 DEFAULT_LONG_N = 8
+#: pseudo-observations of a context's record drawn from the rate of all contexts of its
+#: length (:meth:`NGramTable.level_rate`) in :meth:`NGramTable.recent_next`'s confidence
+RECORD_PRIOR = 2.0
 
 
 class _SortedByCount:
@@ -99,7 +104,7 @@ class NGramTable:
 
     __slots__ = ("n", "long_n", "tokens", "counts", "ctx_counts", "ctx_best", "by_first", "after",
                  "after_record", "longer_lens", "longer_after", "longer_record", "short_lens",
-                 "short_after", "short_record")
+                 "short_after", "short_record", "level_record")
 
     def __init__(self, n: int = 4, long_n: int | None = None, short: bool = True):
         if n < 2:
@@ -133,6 +138,10 @@ class NGramTable:
         self.longer_lens: tuple[int, ...] = (4 * long_n, 2 * long_n) if long_n else ()
         self.longer_after: list[dict[int, int]] = [{} for _ in self.longer_lens]
         self.longer_record: list[dict[int, tuple[int, int]]] = [{} for _ in self.longer_lens]
+        # context length -> [repeats, hits] summed over every context of that length: how
+        # often "the token after the previous occurrence" came again, whatever the context
+        self.level_record: dict[int, list[int]] = {
+            m: [0, 0] for m in (*self.longer_lens, *((long_n,) if long_n else ()), *self.short_lens)}
 
     @property
     def context_len(self) -> int:
@@ -157,6 +166,7 @@ class NGramTable:
         counts = self.counts
         after = self.after
         record = self.after_record
+        levels = self.level_record
         for t in new_tokens:
             t = int(t)
             if L and len(toks) >= L:
@@ -164,7 +174,11 @@ class NGramTable:
                 prev = after.get(key)
                 if prev is not None:
                     seen, hits = record.get(key, (0, 0))
-                    record[key] = (seen + 1, hits + (toks[prev] == t))
+                    hit = toks[prev] == t
+                    record[key] = (seen + 1, hits + hit)
+                    lev = levels[L]
+                    lev[0] += 1
+                    lev[1] += hit
                 after[key] = len(toks)   # the token appended now follows them
                 for m, d, rec in zip(self.longer_lens, self.longer_after, self.longer_record):
                     if len(toks) >= m:
@@ -172,7 +186,11 @@ class NGramTable:
                         prev = d.get(h)
                         if prev is not None:
                             seen, hits = rec.get(h, (0, 0))
-                            rec[h] = (seen + 1, hits + (toks[prev] == t))
+                            hit = toks[prev] == t
+                            rec[h] = (seen + 1, hits + hit)
+                            lev = levels[m]
+                            lev[0] += 1
+                            lev[1] += hit
                         d[h] = len(toks)
             for m, d, rec in zip(self.short_lens, self.short_after, self.short_record):
                 if len(toks) >= m:
@@ -180,7 +198,11 @@ class NGramTable:
                     prev = d.get(key)
                     if prev is not None:
                         seen, hits = rec.get(key, (0, 0))
-                        rec[key] = (seen + 1, hits + (toks[prev] == t))
+                        hit = toks[prev] == t
+                        rec[key] = (seen + 1, hits + hit)
+                        lev = levels[m]
+                        lev[0] += 1
+                        lev[1] += hit
                     d[key] = len(toks)
             toks.append(t)
             if len(toks) < n:
@@ -252,9 +274,14 @@ class NGramTable:
         an 8-token phrase twice in one loop with different continuations is told apart by
         the longer context), with a confidence in [0, 1] (the estimate the chain's
         calibration is keyed by): the larger of its n-gram conditional frequency
-        (:meth:`cond_prob`) and, once that context recurred, the rule's own record for
-        it, ``(hits + 1) / (repeats + 2)`` (``hits``: times the token after a recurrence
-        equalled the one after the occurrence before it). None when not even the last
+        (:meth:`cond_prob`) and the rule's record for that context,
+        ``(hits + 2·ρ_m) / (repeats + 2)`` (``hits``: times the token after a recurrence
+        equalled the one after the occurrence before it; ``ρ_m``: :meth:`level_rate` of
+        the matched length ``m``, so a context that never recurred gets the rate measured
+        over all contexts of its length: in a request that loops, nearly every 32-token
+        match is followed as before (0.99–1.0 in SmolLM2's greedy outputs, whatever the
+        n-gram frequency), and chains no longer stop at branch points of the 3-token
+        context that the long match has already resolved). None when not even the last
         ``long_n`` tokens occurred with a successor (or ``long_n`` is 0). ``context``
         should hold :attr:`context_len` tokens (fewer: the longer levels are skipped)."""
         L = self.long_n
@@ -266,30 +293,44 @@ class NGramTable:
             h = hash(tuple(context[-m:]))
             j = d.get(h)
             if j is not None:
-                return self._recent(context, j, recs.get(h))
+                return self._recent(context, j, recs.get(h), m)
         key = tuple(context[-L:])
         j = self.after.get(key)
         if j is None:
             return None
-        return self._recent(context, j, self.after_record.get(key))
+        return self._recent(context, j, self.after_record.get(key), L)
 
-    def _recent(self, context: Sequence[int], j: int, rec: tuple[int, int] | None
+    def level_rate(self, m: int) -> float:
+        """How often, in this request so far, a context of ``m`` tokens (``m`` one of
+        the matched lengths: ``4·long_n``, ``2·long_n``, ``long_n`` or a
+        :attr:`short_lens` entry) that recurred was followed by the same token as at its
+        previous occurrence: ``(hits + 1) / (repeats + 2)`` summed over all such
+        contexts (0.5 before any recurred). The prior of the per-context records of
+        :meth:`recent_next` and :meth:`short_next`.
+
+        Raises:
+            KeyError: ``m`` is not one of the matched lengths."""
+        r, h = self.level_record[m]
+        return (h + 1) / (r + 2)
+
+    def _recent(self, context: Sequence[int], j: int, rec: tuple[int, int] | None, m: int
                 ) -> tuple[int, float]:
         """``recent_next``'s answer for a match whose successor is token ``j`` and whose
         context has the record ``rec`` (repeats, hits) or none yet."""
         tok = self.tokens[j]
         f = self.cond_prob(context, tok)
-        if rec is not None:
-            f = max(f, (rec[1] + 1) / (rec[0] + 2))
-        return tok, f
+        seen, hits = rec if rec is not None else (0, 0)
+        return tok, max(f, (hits + RECORD_PRIOR * self.level_rate(m)) / (seen + RECORD_PRIOR))
 
     def short_next(self, context: Sequence[int]) -> tuple[int, float] | None:
         """Back-off for contexts the n-gram never saw: the token that followed the latest
         earlier occurrence of the last ``L`` tokens, for the longest ``L`` of
         :attr:`short_lens` (``n-2`` down to 1, at most 2) that occurred before, with the
-        confidence ``hits / (repeats + 1)`` of that context's own record (0 until the
-        context has recurred: one occurrence says nothing of how often the text repeats
-        after it). None when no short context matches (or ``short`` is off)."""
+        confidence ``hits / (repeats + 1)`` of that context's own record once it recurred,
+        and before that the rate of all contexts of its length (:meth:`level_rate`: how
+        often a short context of this request was followed as before; suffix decoding
+        likewise drafts from a suffix that matched once). None when no short context
+        matches (or ``short`` is off)."""
         for m, d, rec in zip(self.short_lens, self.short_after, self.short_record):
             if len(context) < m:
                 continue
@@ -298,7 +339,7 @@ class NGramTable:
             if j is None:
                 continue
             seen, hits = rec.get(key, (0, 0))
-            return self.tokens[j], hits / (seen + 1)
+            return self.tokens[j], hits / (seen + 1) if seen else self.level_rate(m)
         return None
 
     def best_next(self, context: Sequence[int]) -> tuple[int, float] | None:
