@@ -135,18 +135,21 @@ def _generate(path: str, n: int, prefix_len: int, num_prompts: int, bench_prompt
     batch) for ``num_prompts`` prompts of ``prefix_len`` tokens, each from a different
     Project Gutenberg book (the tokens after the book's first 2,000, past its front matter),
     or, with ``bench_prompt``, for the prompt that ``vllm-tokenswift bench`` gives a
-    batch-1 run of that ``prefix_len`` (the bundled prompts' first file)."""
+    batch-1 run of ``n`` tokens at that ``prefix_len`` (the bundled prompts' first file,
+    the prefix capped as the benchmark caps it to fit the model's window)."""
     from types import SimpleNamespace
 
     from transformers import AutoTokenizer
 
-    from vllm_tokenswift.bench.harness import book_prompts, build_prompts, engine_output_to, load_prompt_tokens
+    from vllm_tokenswift.bench.harness import (book_prompts, build_prompts, effective_prefix_len, engine_output_to,
+                                                load_prompt_tokens, model_max_len)
     from vllm_tokenswift.models import resolve_target
 
     model, _ = resolve_target("smollm2")
-    if bench_prompt:
+    if bench_prompt:   # as the harness builds it: prefix capped to fit the window with n tokens
         cfg = SimpleNamespace(random_prompts=False, prompt_files=None, model=model, tokenizer=None, seed=0)
-        prompts = build_prompts(load_prompt_tokens(cfg), 1, prefix_len)
+        prefix = effective_prefix_len(prefix_len, [n], model_max_len(model, None))
+        prompts = build_prompts(load_prompt_tokens(cfg), 1, prefix)
         num_prompts = 1
     else:
         try:
