@@ -7,7 +7,9 @@ batch sizes. Runs vLLM in-process so the proposer object can be timed directly.
 
 Run it from another checkout (``PYTHONPATH=/path/to/old/checkout``) to compare versions;
 ``--tokenswift`` passes settings through (an older version needs its own keys, e.g.
-``{"skip_draft_conf": 1.01}`` for "always draft").
+``{"skip_draft_conf": 1.01}`` for "always draft"). ``--model smollm2 --k 8`` times it on
+SmolLM2-135M with its trained heads at the benchmark's k; ``--profile N`` adds cProfile's
+N costliest functions.
 
     python examples/proposer_overhead.py --plot out.png before.json after.json ...
 
@@ -25,13 +27,14 @@ import time
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None, help="target (default: the bundled 12.6M demo model)")
+    ap.add_argument("--model", default=None, help="target: smollm2, tiny (the bundled 12.6M demo model, default) or a folder")
     ap.add_argument("--heads", default=None)
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--prefix-len", type=int, default=2048)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--sampling", default="greedy,paper")
     ap.add_argument("--tokenswift", default="{}")
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens (default 4)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also profile the proposer (cProfile) and print its N costliest functions "
@@ -49,9 +52,10 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from vllm_tokenswift.models import resolve_target
+
     assets = os.path.join(os.path.dirname(vllm_tokenswift.__file__), "assets")
-    model = args.model or os.path.join(assets, "demo-model")
-    heads = args.heads or os.path.join(assets, "demo-heads")
+    model, heads = resolve_target(args.model or "tiny", args.heads)   # "smollm2", "tiny" or a folder
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
@@ -61,7 +65,7 @@ def main() -> None:
     ts = {"kv_budget": 1024, **json.loads(args.tokenswift)}
     llm = LLM(model=model, dtype="float32", max_model_len=args.prefix_len + args.new_tokens + 64,
               enforce_eager=True, kv_cache_memory_bytes=4 * 2**30, enable_prefix_caching=False,
-              speculative_config={"method": "tokenswift", "model": heads, "num_speculative_tokens": 4,
+              speculative_config={"method": "tokenswift", "model": heads, "num_speculative_tokens": args.k,
                                   "tokenswift": ts})
     core = llm.llm_engine.engine_core.engine_core
     runner = core.model_executor.driver_worker.worker.model_runner
@@ -121,7 +125,7 @@ def main() -> None:
                 print_profile(prof, calls["n"], args.profile)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"tokenswift": ts, "results": results}, fh, indent=1)
+            json.dump({"tokenswift": ts, "k": args.k, "results": results}, fh, indent=1)
 
 
 def print_profile(prof, steps: int, top: int) -> None:
