@@ -130,9 +130,10 @@ def _charge(res: dict, costs: dict, drafted: int, accepted: int) -> None:
     res["ms"] += costs["a"] + (costs["g"] if drafted else 0.0) + costs["b"] * drafted
 
 
-def _generate(path: str, n: int, prefix_len: int, num_prompts: int, bench_prompt: bool = False) -> None:
-    """Write ``path``: SmolLM2's greedy output of ``n`` tokens (plain vLLM decoding, one
-    batch) for ``num_prompts`` prompts of ``prefix_len`` tokens, each from a different
+def _generate(path: str, n: int, prefix_len: int, num_prompts: int, bench_prompt: bool = False,
+              model_name: str = "smollm2") -> None:
+    """Write ``path``: the greedy output of ``model_name`` (``smollm2``, ``tiny`` or a
+    folder) of ``n`` tokens (plain vLLM decoding, one batch) for ``num_prompts`` prompts of ``prefix_len`` tokens, each from a different
     Project Gutenberg book (the tokens after the book's first 2,000, past its front matter),
     or, with ``bench_prompt``, for the prompt that ``vllm-tokenswift bench`` gives a
     batch-1 run of ``n`` tokens at that ``prefix_len`` (the bundled prompts' first file,
@@ -145,7 +146,7 @@ def _generate(path: str, n: int, prefix_len: int, num_prompts: int, bench_prompt
                                                 load_prompt_tokens, model_max_len)
     from vllm_tokenswift.models import resolve_target
 
-    model, _ = resolve_target("smollm2")
+    model, _ = resolve_target(model_name)
     if bench_prompt:   # as the harness builds it: prefix capped to fit the window with n tokens
         cfg = SimpleNamespace(random_prompts=False, prompt_files=None, model=model, tokenizer=None, seed=0)
         prefix = effective_prefix_len(prefix_len, [n], model_max_len(model, None))
@@ -169,7 +170,7 @@ def _generate(path: str, n: int, prefix_len: int, num_prompts: int, bench_prompt
                            use_tqdm=partial(tqdm, file=out))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"model": "SmolLM2-135M-Instruct", "sequences": [
+        json.dump({"model": "SmolLM2-135M-Instruct" if model_name == "smollm2" else model_name, "sequences": [
             {"prompt": p, "out": list(r.outputs[0].token_ids)} for p, r in zip(prompts, res)]}, f)
 
 
@@ -184,7 +185,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", required=True, help="JSON with 'prompt' and 'out' token id lists")
     ap.add_argument("--generate", type=int, default=0, metavar="N",
-                    help="first write --tokens: N greedy tokens of SmolLM2 (needs vLLM)")
+                    help="first write --tokens: N greedy tokens of --model (needs vLLM)")
+    ap.add_argument("--model", default="smollm2", help="with --generate: smollm2 (default), tiny or a folder")
     ap.add_argument("--prefix-len", type=int, default=2000, help="with --generate: prompt tokens")
     ap.add_argument("--num-prompts", type=int, default=8, help="with --generate: prompts (books)")
     ap.add_argument("--bench-prompt", action="store_true",
@@ -195,7 +197,7 @@ def main() -> None:
     ap.add_argument("--plot", default=None, metavar="PNG", help="steps against generated tokens (first sequence)")
     args = ap.parse_args()
     if args.generate:
-        _generate(args.tokens, args.generate, args.prefix_len, args.num_prompts, args.bench_prompt)
+        _generate(args.tokens, args.generate, args.prefix_len, args.num_prompts, args.bench_prompt, args.model)
     seqs = load_sequences(args.tokens)
     a, g, b = (float(x) for x in args.costs.split(","))
     costs = {"a": a, "g": g, "b": b, "f0": a, "f1": 0.0, "h0": a, "h1": 0.0}

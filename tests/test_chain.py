@@ -77,46 +77,49 @@ def test_ngram_chain_for_adaptive_drafting():
     assert ngram_chain([1, 2], table, max_len=4, min_conf=0.3).tokens == []  # unseen context
 
 
-def test_ngram_chain_takes_the_branch_the_long_context_took_last():
+def test_ngram_chain_takes_the_branch_the_long_context_took():
     """Text that repeats with a branch the 2-token n-gram context cannot tell apart:
-    after (3, 4) came 5 twice and 9 once, but the last time the 4-token context
-    (1, 2, 3, 4) occurred it was followed by 9 — the chain copies that branch and goes on
-    with what followed it; each confidence is the larger of the n-gram frequency and the
-    long context's record, whose prior is the rate of all contexts of that length."""
+    after (3, 4) came 5 twice and 9 once, but the 4-token context (1, 2, 3, 4) was
+    followed by 9 — the chain copies that branch and goes on with what followed it; each
+    confidence is the larger of the n-gram frequency and the long context's record,
+    whose prior is the rate of all contexts of that length."""
     from vllm_tokenswift.chain import ngram_chain
 
     table = NGramTable(3, long_n=4)
-    table.extend([1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 9, 0, 1, 2, 3, 4])
+    table.extend([7, 8, 3, 4, 5, 0, 7, 8, 3, 4, 5, 0, 1, 2, 3, 4, 9, 0, 1, 2, 3, 4])
     ch = ngram_chain(table.tokens[-4:], table, max_len=3, min_conf=0.01)
     assert ch.tokens == [9, 0, 1]
-    # 9: the long context's record, 1 hit in 2 recurrences, with the 4-token contexts'
-    # rate (7 + 1) / (8 + 2) = 0.8 as prior: (1 + 2·0.8) / (2 + 2)
-    assert table.level_record[4] == [8, 7]
-    assert ch.confs == pytest.approx([0.65, 1.0, 1.0])
+    # 9: (1, 2, 3, 4) never recurred, so its record is the 4-token contexts' rate alone:
+    # 4 recurrences, 3 followed as before ((3, 4, 5, 0) went on with 1, not 7),
+    # (3 + 1) / (4 + 2) = 2/3, above the n-gram frequency 1/3
+    assert table.level_record[4] == [4, 3]
+    assert table.after_branches == {(3, 4, 5, 0): {7: 1, 1: 1}}
+    assert ch.confs == pytest.approx([2 / 3, 1.0, 1.0])
     # without the long index the most frequent continuation wins
     short = NGramTable(3, long_n=0)
     short.extend(table.tokens)
-    assert ngram_chain(short.tokens[-4:], short, max_len=3, min_conf=0.01).tokens == [5, 0, 1]
+    assert ngram_chain(short.tokens[-4:], short, max_len=3, min_conf=0.01).tokens == [5, 0, 7]
 
 
 def test_build_chain_extends_past_the_heads_along_the_long_context_branch():
     """The adaptive policy's chain builder extends the heads' chain with the same rule as
-    the n-gram-only chains: the token after the latest earlier occurrence of the last
-    long_n tokens (here the branch 9), not the most frequent 2-token continuation (5)."""
+    the n-gram-only chains: the continuation of the last long_n tokens (here the branch
+    9), not the most frequent 2-token continuation (5)."""
     from vllm_tokenswift.chain import build_chain
 
     table = NGramTable(3, long_n=4)
-    table.extend([1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 9, 0, 1, 2, 3])
+    table.extend([7, 8, 3, 4, 5, 0, 7, 8, 3, 4, 5, 0, 1, 2, 3, 4, 9, 0, 1, 2, 3])
     # one draft distribution, certain of 4; the chain continues from (1, 2, 3, 4)
     ch = build_chain(table.tokens[-4:], [[4]], probs_from([{4: 1.0}]), table, [[]], max_len=4,
                      min_conf=0.01)
     assert ch.tokens == [4, 9, 0, 1]
     assert ch.sources == [SOURCE_HEADS, SOURCE_NGRAM, SOURCE_NGRAM, SOURCE_NGRAM]
     # q of the head token mixes p = 1 with the n-gram frequency of 4 after (2, 3): 1.0
-    # 9: the record of (1, 2, 3, 4), 1 hit in 2 recurrences, with the 4-token contexts'
-    # rate (6 + 1) / (7 + 2) as prior: (1 + 2·7/9) / (2 + 2) = 23/36
-    assert ch.confs == pytest.approx([1.0, 23 / 36, 1.0, 1.0])
-    assert ch.expected_len == pytest.approx(1.0 + 3 * 23 / 36)
+    # 9: (1, 2, 3, 4) never recurred; the 4-token contexts' rate: 3 recurrences, 2 followed
+    # as before, (2 + 1) / (3 + 2) = 3/5
+    assert table.level_record[4] == [3, 2]
+    assert ch.confs == pytest.approx([1.0, 3 / 5, 1.0, 1.0])
+    assert ch.expected_len == pytest.approx(1.0 + 3 * 3 / 5)
 
 
 def _reference_select_chain(context, tree, prob, table, ngram_topk, max_len, min_conf, mix):

@@ -73,9 +73,10 @@ def test_invalid_order():
 
 def test_recent_next_follows_the_latest_occurrence_of_the_long_context():
     """``recent_next``: the token after the latest earlier occurrence of the last ``long_n``
-    tokens, with the larger of that token's n-gram conditional frequency and the long
-    context's own record, whose prior is the record of all contexts of that length; None
-    for an unseen long context, a short context or ``long_n`` 0."""
+    tokens, or at a branch point the most frequent of the tokens that followed them, with
+    the larger of that token's n-gram conditional frequency and the long context's own
+    record, whose prior is the record of all contexts of that length; None for an unseen
+    long context, a short context or ``long_n`` 0."""
     t = NGramTable(3, long_n=4)
     # 1 2 3 4 is followed by 5 twice, then by 9 (the latest); (3, 4) alone is followed by
     # 5 twice and 9 once
@@ -85,11 +86,14 @@ def test_recent_next_follows_the_latest_occurrence_of_the_long_context():
     # (5 after 5), not the second time (9 after 5). All 4-token contexts together
     # recurred 7 times and were followed as before 6 times (only (1, 2, 3, 4) -> 9
     # broke the rule): rate (6 + 1) / (7 + 2) = 7/9, so the record is
-    # (1 + 2·7/9) / (2 + 2) = 23/36, which beats the n-gram frequency 1/3
+    # (1 + 2·7/9) / (2 + 2) = 23/36 for "5 followed it again" (count 2, less 1)
     assert t.after_record[(1, 2, 3, 4)] == (2, 1)
     assert t.level_record[4] == [7, 6] and t.level_rate(4) == pytest.approx(7 / 9)
     assert t.level_record[8] == [3, 2] and t.level_record[16] == [0, 0]
-    assert t.recent_next([0, 1, 2, 3, 4]) == (9, pytest.approx(23 / 36))
+    # a branch point: 5 followed (1, 2, 3, 4) twice, 9 once (the latest); the most
+    # frequent wins, with the better of its n-gram frequency 2/3 and the record 23/36
+    assert t.after_branches == {(1, 2, 3, 4): {5: 2, 9: 1}}
+    assert t.recent_next([0, 1, 2, 3, 4]) == (5, pytest.approx(2 / 3))
     assert t.after[(1, 2, 3, 4)] == 16 and t.tokens[16] == 9
     assert t.recent_next([7, 2, 3, 4]) is None          # these 4 tokens never occurred
     assert t.recent_next([3, 4]) is None                # shorter than long_n
@@ -97,6 +101,31 @@ def test_recent_next_follows_the_latest_occurrence_of_the_long_context():
     assert NGramTable(3, long_n=0).recent_next([1, 2, 3, 4]) is None
     with pytest.raises(ValueError, match="long_n"):
         NGramTable(4, long_n=3)
+
+
+def test_recent_next_branch_counts_ties_go_to_the_latest_and_longer_contexts_count_too():
+    """Branch counts start when a context is first followed by a second token (its first
+    token then counts every earlier occurrence); among equally frequent continuations the
+    latest wins; the longer contexts (hash-keyed) keep their own counts and win over a
+    branch point of the shorter context."""
+    t = NGramTable(2, long_n=2)
+    t.extend([1, 2, 7, 1, 2, 7, 1, 2, 8])
+    assert t.after_branches == {(1, 2): {7: 2, 8: 1}}      # (2, 7), (7, 1): one continuation
+    assert t.after_record[(1, 2)] == (2, 1)
+    # 7 followed (1, 2) twice: record (2 - 1 + 2·ρ) / (2 + 2); n-gram frequency of 7 after 2
+    assert t.recent_next([0, 1, 2]) == (7, pytest.approx(max(2 / 3, (1 + 2 * t.level_rate(2)) / 4)))
+    t.extend([1, 2, 8])                  # 7 and 8 now twice each: the latest (8) wins
+    assert t.after_branches[(1, 2)] == {7: 2, 8: 2}
+    assert t.recent_next([0, 1, 2])[0] == 8
+    u = NGramTable(2, long_n=2)
+    u.extend([5, 6, 1, 2, 7, 9, 6, 1, 2, 8, 5, 6, 1, 2, 7, 4, 6, 1, 2])
+    # (1, 2) was followed by 7, 8, 7; (2, 7) and the 4-token context (6, 1, 2, 7) by 9, then 4
+    assert u.after_branches == {(1, 2): {7: 2, 8: 1}, (2, 7): {9: 1, 4: 1}}
+    assert u.longer_branches[0] == {}                              # 8-token contexts
+    assert list(u.longer_branches[1].values()) == [{9: 1, 4: 1}]   # 4-token contexts
+    assert u.recent_next([0, 1, 2])[0] == 7           # the 2-token branch point's most frequent
+    assert u.recent_next([9, 6, 1, 2])[0] == 8        # the 4-token match wins over it
+    assert u.recent_next([6, 1, 2, 7])[0] == 4        # a tie at the 4-token level: the latest
 
 
 def test_recent_next_confidence_grows_with_an_exact_loop():
@@ -194,9 +223,11 @@ def test_recent_next_tells_a_repeated_phrase_apart_by_the_longer_context():
     only8 = NGramTable(4)
     only8.longer_lens, only8.longer_after, only8.longer_record = (), [], []
     only8.extend(period * 12)
-    # without the longer contexts: the phrase's own record (23 recurrences, no hit)
-    # outweighs its length's rate as prior, ((0 + 2·ρ8) / 25 < 0.08 although 8-token
-    # contexts of this loop are mostly followed as before), and the 3-gram frequency 1/2
-    # is all the confidence left
+    # without the longer contexts: the phrase is a branch point followed 12 times by 70
+    # and 12 times by 90 (the latest wins the tie); its record is how often that
+    # continuation followed it again, (12 - 1 + 2·ρ8) / (23 + 2), about 1/2 like the
+    # 3-gram frequency, although 8-token contexts of this loop are mostly followed as before
     assert only8.after_record[tuple(phrase)] == (23, 0) and only8.level_rate(8) > 0.9
-    assert only8.recent_next(t.tokens + period[:12] + phrase)[1] == pytest.approx(0.5)
+    assert only8.after_branches[tuple(phrase)] == {70: 12, 90: 12}
+    assert only8.recent_next(t.tokens + period[:12] + phrase) == (
+        90, pytest.approx((11 + 2 * only8.level_rate(8)) / 25))
