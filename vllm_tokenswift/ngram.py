@@ -301,9 +301,10 @@ class NGramTable:
         occurred before (the longest match wins, as in suffix decoding: a text that repeats
         an 8-token phrase twice in one loop with different continuations is told apart by
         the longer context), or, if that context was followed by different tokens, the
-        most frequent of them (the latest among equals; :meth:`_recent`), with a confidence in [0, 1] (the estimate the chain's
-        calibration is keyed by): the larger of its n-gram conditional frequency
-        (:meth:`cond_prob`) and the rule's record for that context,
+        most frequent of them (the latest among equals; :meth:`_recent`), with a
+        confidence in [0, 1] (the estimate the chain's calibration is keyed by): the
+        larger of its n-gram conditional frequency (:meth:`cond_prob`) and the rule's
+        record for that context,
         ``(hits + 2·ρ_m) / (repeats + 2)`` (``hits``: times the token after a recurrence
         equalled the one after the occurrence before it; ``ρ_m``: :meth:`level_rate` of
         the matched length ``m``, so a context that never recurred gets the rate measured
