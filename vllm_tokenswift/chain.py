@@ -242,9 +242,10 @@ def extend_chain(chain: Chain, context: list[int], table: NGramTable, max_len: i
     Args:
         cum: the estimate ``Π q_i`` of the chain so far (1.0 for an empty chain).
         prob: draft distributions for depths below ``num_dists`` (mixed in with λ).
-        recent: prefer the continuation of the latest earlier occurrence of the last
-            ``table.long_n`` tokens (:meth:`NGramTable.recent_next`; ``context`` must then
-            hold that many tokens) over the most frequent n-gram continuation, and back
+        recent: prefer the continuation of the last 32, 16 or ``table.long_n`` tokens
+            (:meth:`NGramTable.recent_next`: the token after their latest earlier
+            occurrence, or at a branch point their most frequent continuation; ``context``
+            must then hold :attr:`NGramTable.context_len` tokens) over the most frequent n-gram continuation, and back
             off to the short contexts (:meth:`NGramTable.short_next`) when neither is known.
     Each appended token adds its estimate to ``expected_len`` (``+= Π q_i``) and, when
     the chain keeps one confidence per token (``len(confs) == len(tokens)``), its own
@@ -275,11 +276,12 @@ def extend_chain(chain: Chain, context: list[int], table: NGramTable, max_len: i
 
 
 def ngram_chain(context: list[int], table: NGramTable, max_len: int, min_conf: float) -> Chain:
-    """Chain from the n-gram table alone (no draft forward): repeatedly, the token that
-    followed the latest earlier occurrence of the last ``table.long_n`` tokens, else the
-    most frequent continuation of the last ``n-1`` tokens, else the token after the latest
-    occurrence of the last 2 or 1 tokens (:meth:`NGramTable.short_next`), while ``Π f_i >= min_conf``
-    (``f_i``: the n-gram conditional frequency of the token taken). ``expected_len`` is
+    """Chain from the n-gram table alone (no draft forward): repeatedly, the continuation
+    of the longest matched long context (:meth:`NGramTable.recent_next`: the token after
+    its latest earlier occurrence, or at a branch point its most frequent continuation),
+    else the most frequent continuation of the last ``n-1`` tokens, else the token after
+    the latest occurrence of the last 2 or 1 tokens (:meth:`NGramTable.short_next`), while
+    ``Π f_i >= min_conf`` (``f_i``: the confidence of the token taken). ``expected_len`` is
     ``Σ_j Π_{i<=j} f_i``; ``confs`` holds each ``f_i``. ``context``: the request's tokens
     up to the newest (at least the last :attr:`NGramTable.context_len`)."""
     return extend_chain(Chain([], [], 0.0), context, table, max_len, min_conf, recent=True)
@@ -321,9 +323,9 @@ def build_chain(context: Sequence[int], top_tokens: Sequence[Sequence[int]],
     N-gram part: every retrieved n-gram is scored like :func:`score_chain`, with the
     back-off frequencies of :func:`backoff_frequencies`. The best chain is then
     extended with the table's most frequent continuations while ``Π q_i >= min_conf``
-    (the policy cuts it further with calibrated estimates), taking first the token after
-    the latest earlier occurrence of the last ``long_n`` tokens (:func:`extend_chain` with
-    ``recent``), as the n-gram-only chains do.
+    (the policy cuts it further with calibrated estimates), taking first the continuation
+    of the matched long context (:func:`extend_chain` with ``recent``), as the
+    n-gram-only chains do.
 
     Args:
         context: request tokens up to the newest token ``x``.
