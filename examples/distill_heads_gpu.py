@@ -204,7 +204,8 @@ def generate(model, prompts, gen_len: int, batch: int, seed: int, progress: bool
                 logits = model.lm_head(o.last_hidden_state[:, -1])
         outs.append(seq.cpu())
         del cache, o, counts, seq
-        torch.cuda.empty_cache() if dev.type == "cuda" else None
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     return torch.cat(outs)
 
 
@@ -231,7 +232,8 @@ def evaluate_sets(model_dir: Path, heads_dirs: dict, sets: dict, device, dtype, 
             res[f"{name}/{sname}"] = r
             log(f"eval {name} on {sname}: {time.perf_counter() - t0:.0f} s")
         del heads
-        torch.cuda.empty_cache() if torch.device(device).type == "cuda" else None
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
     return res
 
 
@@ -305,7 +307,8 @@ def run(args) -> None:
     n_gen = ids.shape[0] * gen_len
     log(f"generated {ids.shape[0]} x {gen_len} = {n_gen} tokens in {dt:.0f} s ({n_gen / dt:.0f} tok/s)")
     del gm
-    torch.cuda.empty_cache() if dev.type == "cuda" else None
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
     train_ids, held_ids = ids[: tr.shape[0]], ids[tr.shape[0]:]
     np.savez_compressed(out / "ids.npz", train=train_ids.numpy().astype(np.uint16),
                         heldout=held_ids.numpy().astype(np.uint16))
@@ -327,7 +330,7 @@ def run(args) -> None:
     for f in ("heads.safetensors", "tokenswift_heads.json"):
         if (heads_dir / f).exists():
             (out / f).write_bytes((heads_dir / f).read_bytes())
-    for f in (res.metrics_path, getattr(res, "plot_path", None)):
+    for f in (res.metrics_path, res.plot_path):
         if f and Path(f).exists():
             (out / Path(f).name).write_bytes(Path(f).read_bytes())
 
@@ -344,7 +347,7 @@ def run(args) -> None:
                "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "seq_len": seq_len,
                "train_sequences": int(train_ids.shape[0]), "heldout_sequences": int(held_ids.shape[0]),
                "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-               "total_seconds": time.perf_counter() - t_start, "final_loss": getattr(res, "final_loss", None)}
+               "total_seconds": time.perf_counter() - t_start, "final_loss": res.final_loss}
     with open(out / "summary.json", "w") as fh:
         json.dump(summary, fh, indent=1, default=str)
     for line in summarise(ev):
