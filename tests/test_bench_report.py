@@ -650,6 +650,51 @@ def test_run_bench_order_of_runs_and_engines(monkeypatch, tmp_path, scope):
     assert all(r["identical_to_ar"] for r in recs)
 
 
+@pytest.mark.parametrize("scope", ["method", "interleave"])
+def test_run_bench_several_engine_instances(monkeypatch, tmp_path, scope):
+    """--engines 2: every method's engine is started twice, afresh; repeats are numbered across
+    instances, interleaved runs pair with the AR run of their own round, the second round
+    rotates the methods' order, an unavailable method is recorded once, and the summary gives
+    each instance's speedup."""
+    log = []
+    _fake_engines(monkeypatch, log)
+    monkeypatch.setattr(harness, "method_unavailable",
+                        lambda method, spec: "not installed" if method == "suffix" else None)
+    cfg = harness.BenchConfig(methods=["ar", "ngram", "suffix"], gen_lens=[16], batch_sizes=[1],
+                              samplings=["greedy"], repeats=1, out_dir=str(tmp_path), random_prompts=True,
+                              prefix_len=32, engine_scope=scope, engines=2)
+    recs = harness.run_bench(cfg, progress=False)
+    if scope == "interleave":
+        assert log == [("start", "ar"), ("start", "ngram"),
+                       ("run", "ar", 16, 0.0), ("run", "ngram", 16, 0.0),
+                       ("stop", "ar"), ("stop", "ngram"),
+                       ("start", "ngram"), ("start", "ar"),      # fresh instances, order rotated
+                       ("run", "ngram", 16, 0.0), ("run", "ar", 16, 0.0),
+                       ("stop", "ngram"), ("stop", "ar")]
+    else:
+        assert log == [("start", "ar"), ("run", "ar", 16, 0.0), ("stop", "ar"),
+                       ("start", "ar"), ("run", "ar", 16, 0.0), ("stop", "ar"),
+                       ("start", "ngram"), ("run", "ngram", 16, 0.0), ("stop", "ngram"),
+                       ("start", "ngram"), ("run", "ngram", 16, 0.0), ("stop", "ngram")]
+    ok = sorted((r["method"], r["repeat"], r["engine"], r["tokens_per_s"]) for r in recs if r["status"] == "ok")
+    if scope == "interleave":
+        assert ok == [("ar", 0, 0, 100.0), ("ar", 1, 1, 50.0), ("ngram", 0, 0, 150.0), ("ngram", 1, 1, 75.0)]
+    else:   # the first two runs (both AR instances) at full speed, then both ngram ones at half
+        assert ok == [("ar", 0, 0, 100.0), ("ar", 1, 1, 100.0), ("ngram", 0, 0, 75.0), ("ngram", 1, 1, 75.0)]
+    assert [r["status"] for r in recs if r["method"] == "suffix"] == ["unavailable"]
+    rows = {r["method"]: r for r in report.summarize(recs)}
+    assert rows["ngram"]["engines"] == 2 and rows["ngram"]["repeats"] == 2
+    want = [1.5, 1.5] if scope == "interleave" else [0.75, 0.75]
+    assert rows["ngram"]["speedup_by_engine"] == pytest.approx(want)
+    md = report.markdown_table(report.summarize(recs))
+    header = [c.strip() for c in md.splitlines()[0].strip("|").split("|")]
+    assert header[header.index("speedup med") + 1] == "speedup per engine"
+    ng_line = next(line for line in md.splitlines() if line.startswith("| ngram |"))
+    cells = [c.strip() for c in ng_line.strip("|").split("|")]
+    assert cells[header.index("speedup per engine")] == " / ".join(f"{v:.3f}" for v in want)
+    assert "speedup per engine" not in report.markdown_table(report.summarize(recs[:1]))
+
+
 def test_bench_cli_interleave_flag():
     from vllm_tokenswift.bench import cli
 
@@ -659,6 +704,8 @@ def test_bench_cli_interleave_flag():
     assert ap.parse_args(["bench", "--interleave"]).engine_scope == "interleave"
     assert ap.parse_args(["bench", "--engine-scope", "interleave"]).engine_scope == "interleave"
     assert ap.parse_args(["bench"]).engine_scope == "method"
+    assert ap.parse_args(["bench"]).engines == 1
+    assert ap.parse_args(["bench", "--engines", "3"]).engines == 3
 
 
 def test_spec_counters_from_collectors_outlive_the_registry():

@@ -65,7 +65,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--sampling", type=_csv, default=["greedy", "paper"],
                    help="greedy,paper (default both); paper = T 1.0, min_p 0.1, repetition "
                         "penalty 1.2 over a 1024-token window")
-    p.add_argument("--repeats", type=int, default=1, help="timed runs per setting (default 1)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed runs per setting and engine instance (default 1)")
+    p.add_argument("--engines", type=int, default=1,
+                   help="engine instances per method, each started afresh after the previous one "
+                        "is torn down (default 1): two instances of one engine differ in speed by "
+                        "1-8%%, which repeats on one instance do not average out; with --interleave "
+                        "every round of instances rotates the methods' order")
     p.add_argument("--out", default=os.path.join("runs", "bench-" + time.strftime("%Y%m%d-%H%M%S")),
                    help="output folder (default runs/bench-TIMESTAMP)")
     add_target_args(p, yarn_note="; bench then picks its default lengths from the longer window")
@@ -153,7 +159,7 @@ def run_report_cli(args: argparse.Namespace) -> int:
                 c = json.load(fh)
             desc += (f" (methods {', '.join(c.get('methods', []))}; gen_lens {c.get('gen_lens')}; "
                      f"batch_sizes {c.get('batch_sizes')}; sampling {', '.join(c.get('samplings', []))}; "
-                     f"repeats {c.get('repeats')}; prefix_len {c.get('prefix_len')}; k {c.get('k')}; "
+                     f"repeats {c.get('repeats')}; engines {c.get('engines', 1)}; prefix_len {c.get('prefix_len')}; k {c.get('k')}; "
                      f"tokenswift {json.dumps(c.get('tokenswift') or {})}; dtype {c.get('dtype')}; "
                      f"model {os.path.basename(str(c.get('model')))})")
         sources.append(desc)
@@ -192,6 +198,8 @@ def config_from_args(args: argparse.Namespace, fetch: bool = True):
             raise ValueError(f"unknown sampling {s!r}; one of {sorted(SAMPLING_PRESETS)}")
     if args.repeats < 1:
         raise ValueError("--repeats must be >= 1")
+    if getattr(args, "engines", 1) < 1:
+        raise ValueError("--engines must be >= 1")
     engine_kwargs = {}
     for kv in args.engine_arg:
         key, sep, val = kv.partition("=")
@@ -218,7 +226,7 @@ def config_from_args(args: argparse.Namespace, fetch: bool = True):
         engine_scope=args.engine_scope, enforce_eager=args.enforce_eager,
         kv_cache_gb=args.kv_cache_gb, dtype=args.dtype, seed=args.seed,
         warmup_tokens=args.warmup_tokens, save_tokens=args.save_tokens,
-        engine_kwargs=engine_kwargs, yarn=yarn)
+        engine_kwargs=engine_kwargs, yarn=yarn, engines=getattr(args, "engines", 1))
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -258,7 +266,7 @@ def run_cli(args: argparse.Namespace) -> int:
                if records else cfg.prefix_len, "methods": ", ".join(cfg.methods),
                "gen_lens": cfg.gen_lens, "batch_sizes": cfg.batch_sizes,
                "sampling": ", ".join(cfg.samplings), "repeats": cfg.repeats,
-               "engine_scope": cfg.engine_scope, "dtype": cfg.dtype, "k": cfg.k,
+               "engines": cfg.engines, "engine_scope": cfg.engine_scope, "dtype": cfg.dtype, "k": cfg.k,
                "tokenswift": json.dumps(cfg.tokenswift), "yarn": cfg.yarn}
     paths = report.write_report(records, cfg.out_dir, meta=md_meta, plots=not args.no_plots)
     rows = report.summarize(records)

@@ -10,6 +10,13 @@ and the timed runs go round by round (each setting and repeat: every method once
 in turn), so that drift of a shared machine hits all methods of a round alike;
 speedups are then paired with the AR run of the same round.
 
+``engines`` > 1 repeats all of that with fresh engine instances: two instances of
+the same engine differ in the speed of their forward by 1-8% (memory placement,
+measured in ``matrix/b8-paper-engines``), which repeats on one instance do not
+average out. Each record carries its ``engine`` (instance index) and a ``repeat``
+numbered across instances, so that an interleaved run is still paired with the AR
+run of its own round.
+
 Per timed run the harness records wall time, generated tokens, vLLM's
 speculative-decoding Prometheus counters (deltas of ``llm.get_metrics()`` taken
 before and after the run: the counters are cumulative), the TokenSwift plugin's
@@ -164,6 +171,11 @@ class BenchConfig:
         engine_kwargs: extra ``vllm.LLM`` keyword arguments.
         yarn: extend the model's window this many times with YaRN rope scaling
             (``hf_overrides``, :func:`vllm_tokenswift.models.yarn_overrides`); None: off.
+        engines: engine instances per method, started one after another (each runs
+            ``repeats`` timed runs per setting); with ``"interleave"`` each instance
+            round starts every method's engine afresh and rotates the methods' order
+            by one, so no method always runs right after AR. Timed runs per setting:
+            ``engines × repeats``.
     """
 
     methods: list[str] = field(default_factory=lambda: ["ar", "tokenswift", "ngram", "suffix"])
@@ -190,6 +202,7 @@ class BenchConfig:
     save_tokens: bool = False
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     yarn: float | None = None
+    engines: int = 1
 
 
 # ---------------------------------------------------------------------------
@@ -730,8 +743,8 @@ def _settings(cfg: BenchConfig) -> list[tuple[int, int, str]]:
 
 
 def _base_record(method: str, g: int, b: int, s: str, rep: int, prefix: int, cfg: BenchConfig,
-                 spec: dict | None) -> dict[str, Any]:
-    rec = {"method": method, "gen_len": g, "batch_size": b, "sampling": s, "repeat": rep,
+                 spec: dict | None, engine: int = 0) -> dict[str, Any]:
+    rec = {"method": method, "gen_len": g, "batch_size": b, "sampling": s, "repeat": rep, "engine": engine,
            "status": "ok", "prefix_len": prefix, "model": cfg.model,
            "num_speculative_tokens": (spec or {}).get("num_speculative_tokens"),
            "speculative_config": spec, "note": None}
@@ -753,6 +766,11 @@ def run_bench(cfg: BenchConfig, progress: bool = True,
     of a shared machine then hits all methods of a round alike, and each run's speedup
     is taken against the AR run of its own round (``paired_speedup``).
 
+    ``cfg.engines`` > 1 does all of this once per engine instance (fresh engines each
+    time; with ``"interleave"`` the methods' order rotates by one per instance), with
+    the repeats numbered across instances (instance ``e``'s runs are ``e × repeats`` to
+    ``(e + 1) × repeats - 1``) and each record's ``engine`` giving its instance.
+
     Args:
         cfg: the benchmark settings.
         progress: show tqdm bars (runs and engines).
@@ -769,11 +787,13 @@ def run_bench(cfg: BenchConfig, progress: bool = True,
     settings = _settings(cfg)
     records: list[dict] = []
     outputs: dict[tuple, list[list[int]]] = {}
-    total_runs = len(cfg.methods) * len(settings) * cfg.repeats
+    n_inst = max(1, int(cfg.engines))
+    total_runs = len(cfg.methods) * len(settings) * cfg.repeats * n_inst
     bar = tqdm(total=total_runs, desc="bench runs", disable=not progress, file=bar_file or sys.stderr,
                dynamic_ncols=True)
     tok_dir = os.path.join(cfg.out_dir, "tokens")
     interleave = cfg.engine_scope == "interleave"
+    unavailable: set[str] = set()   # recorded once, not per engine instance
 
     def finish() -> None:
         fill_identical_to_ar(records, outputs)
@@ -781,9 +801,9 @@ def run_bench(cfg: BenchConfig, progress: bool = True,
         if on_records is not None:
             on_records(records)
 
-    def start(method: str, group: list[tuple[int, int, str]]) -> dict | None:
-        """Start and warm up ``method``'s engine for ``group``; None (records written)
-        when the method is unavailable or its engine fails to start."""
+    def start(method: str, group: list[tuple[int, int, str]], inst: int) -> dict | None:
+        """Start and warm up instance ``inst`` of ``method``'s engine for ``group``; None
+        (records written) when the method is unavailable or its engine fails to start."""
         try:
             spec = speculative_config(method, cfg)
         except ValueError as e:
@@ -791,12 +811,14 @@ def run_bench(cfg: BenchConfig, progress: bool = True,
         else:
             why = method_unavailable(method, spec)
         if why:
-            for g, b, s in group:
-                rec = _base_record(method, g, b, s, 0, prefix, cfg, spec)
-                rec.update(status="unavailable", note=f"unavailable: {why}")
-                records.append(rec)
+            if method not in unavailable:
+                unavailable.add(method)
+                for g, b, s in group:
+                    rec = _base_record(method, g, b, s, 0, prefix, cfg, spec)
+                    rec.update(status="unavailable", note=f"unavailable: {why}")
+                    records.append(rec)
+                logger.warning("%s unavailable: %s", method, why)
             bar.update(len(group) * cfg.repeats)
-            logger.warning("%s unavailable: %s", method, why)
             return None
         is_ts = bool(spec) and spec.get("method") == "tokenswift"
         mml = prefix + max(g for g, _, _ in group) + 64
@@ -805,7 +827,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True,
             mml = int(budget)  # the plugin refuses kv_budget > max_model_len; no memory cost
         llm = None
         try:
-            bar.set_postfix_str(f"{method}: starting engine")
+            bar.set_postfix_str(f"{method}: starting engine" + (f" {inst + 1}/{n_inst}" if n_inst > 1 else ""))
             llm = build_engine(cfg, spec, mml)
             warmup(llm, prompts_by_b[group[0][1]][0], cfg.warmup_tokens)
             for g, b, s in group:   # untimed: first use of each batch shape / sampling path
@@ -817,7 +839,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True,
             msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             logger.exception("%s: engine failed", method)
             for g, b, s in group:
-                rec = _base_record(method, g, b, s, 0, prefix, cfg, spec)
+                rec = _base_record(method, g, b, s, inst * cfg.repeats, prefix, cfg, spec, engine=inst)
                 rec.update(status="error", note=f"engine start failed: {msg}"[:500])
                 records.append(rec)
             bar.update(len(group) * cfg.repeats)
@@ -827,10 +849,11 @@ def run_bench(cfg: BenchConfig, progress: bool = True,
                 # interleave: read this engine's counters from its own collectors
                 "collectors": spec_metric_collectors() if interleave else None}
 
-    def run_one(method: str, eng: dict, g: int, b: int, s: str, rep: int) -> None:
-        bar.set_postfix_str(f"{method} gen={g} b={b} {s} r{rep}")
+    def run_one(method: str, eng: dict, g: int, b: int, s: str, rep: int, inst: int) -> None:
+        """Time run ``rep`` (numbered across engine instances) of ``method`` at one setting."""
+        bar.set_postfix_str(f"{method} gen={g} b={b} {s} r{rep}" + (f" e{inst}" if n_inst > 1 else ""))
         sp_kw, note = sampling_kwargs(method, s, eng["spec"])
-        rec = _base_record(method, g, b, s, rep, prefix, cfg, eng["spec"])
+        rec = _base_record(method, g, b, s, rep, prefix, cfg, eng["spec"], engine=inst)
         rec["note"] = note
         rec["paired_speedup"] = interleave
         try:
@@ -852,34 +875,38 @@ def run_bench(cfg: BenchConfig, progress: bool = True,
         bar.update(1)
 
     if interleave:
-        engines: dict[str, dict] = {}
-        try:
-            for method in cfg.methods:
-                eng = start(method, settings)
-                if eng is not None:
-                    engines[method] = eng
-            for g, b, s in settings:
-                for rep in range(cfg.repeats):
-                    for method in cfg.methods:
-                        if method in engines:
-                            run_one(method, engines[method], g, b, s, rep)
-                    finish()
-        finally:
-            for method, eng in engines.items():
-                bar.set_postfix_str(f"{method}: teardown")
-                teardown_engine(eng["llm"])
+        for inst in range(n_inst):
+            shift = inst % len(cfg.methods)
+            order = list(cfg.methods[shift:]) + list(cfg.methods[:shift])
+            engines: dict[str, dict] = {}
+            try:
+                for method in order:
+                    eng = start(method, settings, inst)
+                    if eng is not None:
+                        engines[method] = eng
+                for g, b, s in settings:
+                    for rep in range(cfg.repeats):
+                        for method in order:
+                            if method in engines:
+                                run_one(method, engines[method], g, b, s, inst * cfg.repeats + rep, inst)
+                        finish()
+            finally:
+                for method, eng in engines.items():
+                    bar.set_postfix_str(f"{method}: teardown")
+                    teardown_engine(eng["llm"])
     else:
         for method in cfg.methods:
             groups = ([settings] if cfg.engine_scope == "method" else [[st] for st in settings])
             for group in groups:
-                eng = start(method, group)
-                if eng is None:
-                    continue
-                for g, b, s in group:
-                    for rep in range(cfg.repeats):
-                        run_one(method, eng, g, b, s, rep)
-                bar.set_postfix_str(f"{method}: teardown")
-                teardown_engine(eng["llm"])
+                for inst in range(n_inst):
+                    eng = start(method, group, inst)
+                    if eng is None:
+                        continue
+                    for g, b, s in group:
+                        for rep in range(cfg.repeats):
+                            run_one(method, eng, g, b, s, inst * cfg.repeats + rep, inst)
+                    bar.set_postfix_str(f"{method}: teardown")
+                    teardown_engine(eng["llm"])
             finish()
     bar.close()
     fill_identical_to_ar(records, outputs)

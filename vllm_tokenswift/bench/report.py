@@ -7,6 +7,8 @@ A *record* is one timed run of one method in one setting (a ``dict``). Keys
 (see :data:`RECORD_FIELDS`):
 
 * ``method``, ``gen_len``, ``batch_size``, ``sampling``, ``repeat``: the setting.
+* ``engine``: the engine instance that ran it (``bench --engines N``: 0..N-1; the
+  ``repeat`` numbers run on across instances).
 * ``status``: ``"ok"``, ``"unavailable"`` (method cannot run here; ``note`` says why)
   or ``"error"``; ``note``: free text (e.g. "min_p dropped").
 * ``tokens_per_s``: generated tokens over all sequences / wall seconds.
@@ -47,7 +49,7 @@ from typing import Any, Iterable, Sequence
 
 #: Columns of results.csv, in order (records may carry more keys; JSON keeps all).
 RECORD_FIELDS: list[str] = [
-    "method", "gen_len", "batch_size", "sampling", "repeat", "status",
+    "method", "gen_len", "batch_size", "sampling", "repeat", "engine", "status",
     "tokens_per_s", "latency_per_token_ms", "speedup_vs_ar",
     "acceptance_rate", "mean_accepted_length", "ngram_acceptance", "draft_time_share",
     "identical_to_ar", "distinct_1", "distinct_2", "distinct_3", "distinct_4",
@@ -316,7 +318,9 @@ def summarize(records: list[dict]) -> list[dict]:
     ``draft_time_share``, ``distinct_1..4`` (medians), ``identical_to_ar`` (all
     repeats identical; ``None`` when not applicable), ``steps_by_kind`` and
     ``accepted_by_kind`` (summed over repeats; ``None`` without TokenSwift counters),
-    ``status`` and ``note``.
+    ``engines`` (engine instances with a successful run) and ``speedup_by_engine``
+    (per instance, in instance order: the median speedup of its runs), ``status`` and
+    ``note``.
     Rows keep the order in which settings first appear.
     """
     groups: dict[tuple, list[dict]] = {}
@@ -342,6 +346,11 @@ def summarize(records: list[dict]) -> list[dict]:
             "steps_by_kind": _sum_dicts(r.get("steps_by_kind") for r in ok),
             "accepted_by_kind": _sum_dicts(r.get("accepted_by_kind") for r in ok),
         }
+        by_engine: dict[int, list] = defaultdict(list)
+        for r in ok:
+            by_engine[int(r.get("engine") or 0)].append(r.get("speedup_vs_ar"))
+        row["engines"] = len(by_engine)
+        row["speedup_by_engine"] = [_median(by_engine[e]) for e in sorted(by_engine)]
         for f in ("acceptance_rate", "mean_accepted_length", "ngram_acceptance",
                   "draft_time_share", "distinct_1", "distinct_2", "distinct_3", "distinct_4",
                   "time_draft_s", "time_verify_s", "wall_s"):
@@ -400,9 +409,15 @@ def _fmt(v: Any, nd: int = 2) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """Markdown table of :func:`summarize` rows with :data:`SUMMARY_COLUMNS`."""
-    lines = ["| " + " | ".join(SUMMARY_COLUMNS) + " |",
-             "|" + "|".join(["---"] * len(SUMMARY_COLUMNS)) + "|"]
+    """Markdown table of :func:`summarize` rows with :data:`SUMMARY_COLUMNS`; where a row
+    ran on several engine instances (``bench --engines``), a column ``speedup per engine``
+    (each instance's median speedup, slash-separated) follows ``speedup med``."""
+    per_engine = any((r.get("engines") or 0) > 1 for r in rows)
+    cols = list(SUMMARY_COLUMNS)
+    if per_engine:
+        cols.insert(cols.index("speedup med") + 1, "speedup per engine")
+    lines = ["| " + " | ".join(cols) + " |",
+             "|" + "|".join(["---"] * len(cols)) + "|"]
     for r in rows:
         note = r.get("note") or ""
         st = r.get("status")
@@ -411,7 +426,10 @@ def markdown_table(rows: list[dict]) -> str:
         cells = [r["method"], r["sampling"], r["batch_size"], r["gen_len"], r["repeats"],
                  _fmt(r["tokens_per_s_median"], 1), _fmt(r["tokens_per_s_min"], 1),
                  _fmt(r["latency_ms_median"], 2), _fmt(r["latency_ms_min"], 2),
-                 _fmt(r["speedup_median"], 2), _fmt(r["acceptance_rate"], 3),
+                 _fmt(r["speedup_median"], 2),
+                 *([" / ".join(_fmt(v, 3) for v in r.get("speedup_by_engine") or []) or "–"]
+                   if per_engine else []),
+                 _fmt(r["acceptance_rate"], 3),
                  _fmt(r["mean_accepted_length"], 2), _fmt(r["ngram_acceptance"], 3),
                  _fmt(r["draft_time_share"], 2), _fmt(format_decision_mix(r.get("steps_by_kind"))),
                  _fmt(r["identical_to_ar"]),
