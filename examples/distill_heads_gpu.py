@@ -114,22 +114,11 @@ def assemble_gguf(parts: list[str], sha256: str | None, dest: Path) -> Path:
 
 
 def convert(gguf_path: Path, folder: Path) -> Path:
-    """Dequantise with transformers' GGUF loader and save a float32 HF folder (model only)."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    """Dequantise with transformers' GGUF loader and save a float32 HF folder, model and
+    tokenizer (:func:`vllm_tokenswift.models.convert_gguf`, as ``--model smollm2`` does)."""
+    from vllm_tokenswift.models import convert_gguf
 
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                                 dtype=torch.float32)
-    cfg = model.config
-    if hasattr(cfg, "quantization_config"):
-        del cfg.quantization_config
-    model.hf_quantizer = None
-    if hasattr(model, "is_quantized"):
-        try:
-            model.is_quantized = False
-        except AttributeError:
-            pass
-    model.save_pretrained(str(folder), safe_serialization=True)
+    convert_gguf(gguf_path, folder)
     return folder
 
 
@@ -212,7 +201,7 @@ def generate(model, prompts, gen_len: int, batch: int, seed: int, progress: bool
 def evaluate_sets(model_dir: Path, heads_dirs: dict, sets: dict, device, dtype, chunk: int) -> dict:
     import torch
 
-    from vllm_tokenswift.heads import DraftHeads, load_heads
+    from vllm_tokenswift.heads import load_heads, zero_heads
     from vllm_tokenswift.training.evaluate import evaluate_heads
     from vllm_tokenswift.training.trainer import inspect_base_model, load_base_model
 
@@ -222,8 +211,7 @@ def evaluate_sets(model_dir: Path, heads_dirs: dict, sets: dict, device, dtype, 
     res = {}
     for name, path in heads_dirs.items():
         if path == "zero":
-            heads = DraftHeads(int(config.hidden_size), 3, eps=eps).init_from_base(
-                model.model.norm.weight).to(device, dtype)
+            heads = zero_heads(model, 3, dtype=dtype)
         else:
             heads = load_heads(path, hidden_size=int(config.hidden_size), eps=eps, dtype=dtype, device=device)
         for sname, ids in sets.items():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vllm_tokenswift.heads import (DraftHeads, HeadsLoadError, export_tokenswift_layout, load_heads,
-                                   rms_norm, save_heads)
+                                   rms_norm, save_heads, zero_heads)
 
 H = 64
 
@@ -48,6 +48,32 @@ def test_fresh_heads_reproduce_normed_input():
     expect = rms_norm(h0, torch.ones(H), 1e-6)
     for o in heads(h0):
         assert torch.allclose(o, expect, atol=1e-6)
+
+
+def test_zero_heads_repeat_the_base_prediction():
+    """zero_heads(model): every head outputs the target's FinalNorm(h_0), so l_i = l_0 exactly;
+    the model's eps and final-norm weight are used, in the requested dtype."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=H, intermediate_size=96,
+                                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                         rms_norm_eps=1e-5))
+    with torch.no_grad():
+        model.model.norm.weight.normal_(1.5, 0.5)
+    heads = zero_heads(model, 2)
+    assert heads.num_heads == 2 and heads.eps == 1e-5
+    assert all(p.dtype == torch.float32 for p in heads.parameters())
+    h0 = torch.randn(4, H)
+    base = model.model.norm(h0)
+    for out in heads(h0):
+        assert torch.allclose(out, base, atol=1e-6, rtol=0)
+        assert torch.equal(model.lm_head(out).argmax(-1), model.lm_head(base).argmax(-1))
+    assert all(p.dtype == torch.bfloat16 for p in zero_heads(model, 3, dtype=torch.bfloat16).parameters())
+    with pytest.raises(ValueError, match="num_heads"):
+        zero_heads(model, 0)
+    with pytest.raises(ValueError, match="model.model.norm"):
+        zero_heads(torch.nn.Linear(2, 2))
 
 
 def test_save_load_roundtrip_and_dtype(tmp_path):

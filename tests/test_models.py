@@ -101,6 +101,25 @@ def test_greedy_tokens_equal_gguf_and_converted_folder(smollm2):
     assert "Paris" in tok.decode(gb[0, ids.shape[1]:])
 
 
+def test_fresh_conversion_reproduces_the_cached_folder(smollm2, tmp_path):
+    """convert_gguf (load_gguf_model + save_dequantised) into a new folder writes the same
+    weights, byte for byte, as the cached folder, a loadable config without the GGUF
+    quantization_config, the tokenizer, and files readable by all."""
+    import torch
+    from transformers import AutoConfig
+
+    gguf_path, _ = models.locate_gguf()
+    files = models.convert_gguf(gguf_path, tmp_path / "conv")
+    out = tmp_path / "conv"
+    assert files["model.safetensors"]["sha256"] == models.sha256_file(smollm2 / "model.safetensors")
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(files)
+    assert set(files) == {p.name for p in out.iterdir() if p.is_file()}
+    assert all(stat.S_IMODE((out / n).stat().st_mode) == 0o644 for n in files)
+    cfg = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in cfg and cfg["architectures"] == ["LlamaForCausalLM"]
+    assert AutoConfig.from_pretrained(str(out)).dtype == torch.float32
+
+
 def test_bundled_heads_load_and_fit_the_model(smollm2):
     """The heads in assets/smollm2-heads fit SmolLM2 (front-end check and worker loader agree)
     and are trained (not zero heads): on the model's own hidden states, head 1's prediction

@@ -163,6 +163,31 @@ class DraftHeads(nn.Module):
                     param.copy_(t.to(param.dtype))
 
 
+def zero_heads(model: nn.Module, num_heads: int = 3, *, dtype: torch.dtype | None = None) -> DraftHeads:
+    """Untrained heads of a Hugging Face causal LM: ``W_i = 0`` and post-norm weights equal to
+    the target's final norm (:meth:`DraftHeads.init_from_base`), so every head repeats the
+    base next-token prediction ``l_0``; where training starts, and the baseline of evaluations.
+
+    Args:
+        model: a Llama-style ``*ForCausalLM`` (``model.model.norm.weight`` ``[H]``,
+            ``model.config.hidden_size`` and ``rms_norm_eps``).
+        num_heads: γ.
+        dtype: dtype of the heads (default: that of the final-norm weight); they are put on
+            the final-norm weight's device.
+
+    Raises:
+        ValueError: the model has no final norm ``model.model.norm`` or ``num_heads`` < 1.
+    """
+    norm = getattr(getattr(getattr(model, "model", None), "norm", None), "weight", None)
+    if norm is None:
+        raise ValueError("zero_heads needs a Llama-style model with model.model.norm.weight")
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+    eps = float(getattr(model.config, "rms_norm_eps", 1e-6) or 1e-6)
+    heads = DraftHeads(int(norm.numel()), num_heads, eps=eps).to(norm.device, dtype or norm.dtype)
+    return heads.init_from_base(norm)
+
+
 @dataclass(frozen=True)
 class HeadsInfo:
     """What a checkpoint declares: format, hidden size, head count, dtype, eps."""

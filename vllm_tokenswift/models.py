@@ -316,12 +316,53 @@ def load_gguf_model(gguf_path: str | os.PathLike, dtype=None):
     return model, tok
 
 
-def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> dict:
-    """Dequantise ``gguf_path`` and save a plain float32 Hugging Face folder in ``out_dir``.
+def save_dequantised(model, out_dir: str | os.PathLike, tokenizer=None, *,
+                     name_or_path: str | None = None) -> dict:
+    """Save a model dequantised by transformers' GGUF loader (:func:`load_gguf_model`) as a
+    plain float32 Hugging Face folder in ``out_dir``, with ``tokenizer`` when given.
 
     ``save_pretrained`` refuses a model that still carries the GGUF
     ``quantization_config``; the weights are already dequantised, so the config is
-    dropped and the same state dict is saved as a plain ``LlamaForCausalLM``.
+    dropped (and the model's quantizer flags cleared) and the same state dict is saved
+    as a plain ``*ForCausalLM``. Files are made 0644 (safetensors writes 0600).
+
+    Args:
+        model: the loaded model (float32 weights).
+        out_dir: folder to write (created).
+        tokenizer: saved next to the model when not None.
+        name_or_path: recorded as the config's ``_name_or_path`` when given.
+
+    Returns:
+        ``{file name: {"bytes": int, "sha256": str}}`` of what ``out_dir`` holds.
+    """
+    import torch
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = model.config
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    model.hf_quantizer = None
+    if hasattr(model, "is_quantized"):
+        with contextlib.suppress(AttributeError):
+            model.is_quantized = False
+    cfg.dtype = torch.float32
+    if name_or_path is not None:
+        cfg.name_or_path = name_or_path
+    model.save_pretrained(str(out), safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    files = {}
+    for p in sorted(out.iterdir()):
+        if p.is_file():
+            os.chmod(p, 0o644)  # safetensors writes 0600; the cache is meant to be shared
+            files[p.name] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+    return files
+
+
+def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> dict:
+    """Dequantise ``gguf_path`` and save a plain float32 Hugging Face folder (model and
+    tokenizer) in ``out_dir`` (:func:`load_gguf_model`, then :func:`save_dequantised`).
 
     Returns:
         ``{file name: {"bytes": int, "sha256": str}}`` of what was written (files 0644).
@@ -331,26 +372,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> di
     """
     import torch
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     model, tok = load_gguf_model(gguf_path, torch.float32)
-    cfg = model.config
-    if hasattr(cfg, "quantization_config"):
-        del cfg.quantization_config
-    model.hf_quantizer = None
-    if hasattr(model, "is_quantized"):
-        with contextlib.suppress(AttributeError):
-            model.is_quantized = False
-    cfg.dtype = torch.float32
-    cfg.name_or_path = SMOLLM2.name
-    model.save_pretrained(str(out), safe_serialization=True)
-    tok.save_pretrained(str(out))
-    files = {}
-    for p in sorted(out.iterdir()):
-        if p.is_file():
-            os.chmod(p, 0o644)  # safetensors writes 0600; the cache is meant to be shared
-            files[p.name] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-    return files
+    return save_dequantised(model, out_dir, tok, name_or_path=SMOLLM2.name)
 
 
 def _versions() -> dict:

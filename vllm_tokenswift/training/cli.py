@@ -204,10 +204,9 @@ def run_eval(args: argparse.Namespace) -> int:
                                      config_overrides=overrides)
         eps = float(getattr(config, "rms_norm_eps", 1e-6) or 1e-6)
         if args.heads == "zero":  # untrained heads: every head repeats the base prediction
-            from vllm_tokenswift.heads import DraftHeads
+            from vllm_tokenswift.heads import zero_heads
 
-            heads = DraftHeads(int(config.hidden_size), args.num_heads, eps=eps).init_from_base(
-                model.model.norm.weight).to(dev, dt)
+            heads = zero_heads(model, args.num_heads, dtype=dt)
         else:
             heads = load_heads(args.heads, hidden_size=int(config.hidden_size), eps=eps, dtype=dt, device=dev)
         seqs = load_token_sequences(args.data, tok, args.seq_len, pack=args.pack, max_docs=args.max_docs,

@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from vllm_tokenswift.heads import DraftHeads, export_tokenswift_layout, save_heads
+from vllm_tokenswift.heads import DraftHeads, export_tokenswift_layout, save_heads, zero_heads
 from vllm_tokenswift.training.data import TrainHeadsError, check_data_path, load_token_sequences
 
 CHECKPOINT_DIR = "checkpoint"
@@ -727,9 +727,7 @@ def train_heads(model_path: str | os.PathLike, data: str | os.PathLike | torch.T
     # ---------------------------------------------------------------- state
     torch.manual_seed(seed)
     random.seed(seed)
-    eps = float(getattr(config, "rms_norm_eps", 1e-6) or 1e-6)
-    heads = DraftHeads(hidden, num_heads, eps=eps).to(dev, torch.float32)
-    heads.init_from_base(model.model.norm.weight)  # zero heads = the base prediction
+    heads = zero_heads(model, num_heads, dtype=torch.float32)  # W = 0: the base prediction
     heads.train()
     decay = [hd.linear.weight for hd in heads.heads]
     no_decay = [p for hd in heads.heads for p in (hd.input_layernorm, hd.post_layernorm)]
