@@ -7,7 +7,9 @@
 #
 # Usage: scripts/bench-matrix.sh [OUT] [BLOCK ...]
 #   OUT     output folder (default docs/bench/smollm2/matrix)
-#   BLOCK   any of: 2k 6k ablations b8 yarn tiny16k k16 (default: all, in this order)
+#   BLOCK   any of: 2k 6k ablations b8 yarn tiny16k k16 (default: all, in this order), or
+#           engines: the settings whose one-round verdicts were within a few percent, rerun on
+#           fresh engine instances (--engines; not in the default list: ~2 h)
 #
 # Time on the 2-core CPU (AR about 15 tok/s at 2K context): 2k ~40 min, 6k ~65 min,
 # ablations ~30 min, b8 ~40 min, yarn ~40 min, tiny16k ~25 min, k16 ~15 min; on the faster
@@ -52,6 +54,13 @@ for b in "${BLOCKS[@]}"; do
             --repeats 1 --prefix-len 2048 --yarn 2 --kv-cache-gb 0.75 ;;
     tiny16k) run tiny-16k --model tiny --k 4 --methods ar,tokenswift,ngram,suffix --gen-lens 16384 \
             --batch-sizes 1 --sampling greedy,paper --repeats 1 --prefix-len 2048 --kv-cache-gb 0.5 ;;
+    engines)
+        run 6k-greedy-engines --engines 3 --methods ar,tokenswift,suffix --gen-lens 6144 --batch-sizes 1 \
+            --sampling greedy --repeats 1 --prefix-len 2048 --kv-cache-gb 0.5
+        run b8-paper-engines2 --engines 2 --methods ar,tokenswift,ngram --gen-lens 1024 --batch-sizes 8 \
+            --sampling paper --repeats 1 --prefix-len 2048 --kv-cache-gb 1.25
+        run 6k-paper-engines --engines 2 --methods ar,tokenswift,ngram --gen-lens 6144 --batch-sizes 1 \
+            --sampling paper --repeats 1 --prefix-len 2048 --kv-cache-gb 0.5 ;;
     k16) run k16-2k --k 16 --methods ar,tokenswift,suffix-16 \
             --method-config 'suffix-16={"method": "suffix", "num_speculative_tokens": 16, "suffix_decoding_max_cached_requests": 0}' \
             --gen-lens 2048 --batch-sizes 1 --sampling greedy --repeats 2 --prefix-len 2048 --kv-cache-gb 0.5 ;;
