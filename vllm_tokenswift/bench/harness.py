@@ -116,7 +116,7 @@ NGRAM_SWEEP_NOTES = ("ngram-best = num_speculative_tokens 8, prompt_lookup 2..4:
 #:     python -m venv /tmp/arcbuild && /tmp/arcbuild/bin/pip install nanobind==2.9.2 \
 #:         grpcio-tools setuptools wheel
 #:     echo $PWD/.venv/lib/python3.11/site-packages > /tmp/arcbuild/lib/python3.11/site-packages/zz.pth
-#:     pip download --no-deps arctic-inference && tar xzf arctic_inference-0.3.0.tar.gz
+#:     pip download --no-deps --no-build-isolation arctic-inference==0.3.0 && tar xzf arctic_inference-0.3.0.tar.gz
 #:     cd arctic_inference-0.3.0 && CMAKE_ARGS="-DPython_EXECUTABLE=/tmp/arcbuild/bin/python" \
 #:         /tmp/arcbuild/bin/pip wheel --no-build-isolation --no-deps -w /tmp/arcwheel .
 #:     .venv/bin/pip install --no-deps /tmp/arcwheel/arctic_inference-0.3.0-*.whl
