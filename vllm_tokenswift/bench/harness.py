@@ -849,8 +849,10 @@ def run_bench(cfg: BenchConfig, progress: bool = True,
                 # interleave: read this engine's counters from its own collectors
                 "collectors": spec_metric_collectors() if interleave else None}
 
-    def run_one(method: str, eng: dict, g: int, b: int, s: str, rep: int, inst: int) -> None:
-        """Time run ``rep`` (numbered across engine instances) of ``method`` at one setting."""
+    def run_one(method: str, eng: dict, g: int, b: int, s: str, inst: int, r: int) -> None:
+        """Time repeat ``r`` of engine instance ``inst`` of ``method`` at one setting (its
+        record's ``repeat`` is numbered across instances)."""
+        rep = inst * cfg.repeats + r
         bar.set_postfix_str(f"{method} gen={g} b={b} {s} r{rep}" + (f" e{inst}" if n_inst > 1 else ""))
         sp_kw, note = sampling_kwargs(method, s, eng["spec"])
         rec = _base_record(method, g, b, s, rep, prefix, cfg, eng["spec"], engine=inst)
@@ -888,7 +890,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True,
                     for rep in range(cfg.repeats):
                         for method in order:
                             if method in engines:
-                                run_one(method, engines[method], g, b, s, inst * cfg.repeats + rep, inst)
+                                run_one(method, engines[method], g, b, s, inst, rep)
                         finish()
             finally:
                 for method, eng in engines.items():
@@ -904,7 +906,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True,
                         continue
                     for g, b, s in group:
                         for rep in range(cfg.repeats):
-                            run_one(method, eng, g, b, s, inst * cfg.repeats + rep, inst)
+                            run_one(method, eng, g, b, s, inst, rep)
                     bar.set_postfix_str(f"{method}: teardown")
                     teardown_engine(eng["llm"])
             finish()
