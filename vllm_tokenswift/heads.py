@@ -169,8 +169,8 @@ def zero_heads(model: nn.Module, num_heads: int = 3, *, dtype: torch.dtype | Non
     base next-token prediction ``l_0``; where training starts, and the baseline of evaluations.
 
     Args:
-        model: a Llama-style ``*ForCausalLM`` (``model.model.norm.weight`` ``[H]``,
-            ``model.config.hidden_size`` and ``rms_norm_eps``).
+        model: a Llama-style ``*ForCausalLM``: its final-norm weight ``model.model.norm.weight``
+            ``[H]`` gives H and the post-norm weights, ``model.config.rms_norm_eps`` the eps.
         num_heads: γ.
         dtype: dtype of the heads (default: that of the final-norm weight); they are put on
             the final-norm weight's device.

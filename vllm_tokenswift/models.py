@@ -316,8 +316,7 @@ def load_gguf_model(gguf_path: str | os.PathLike, dtype=None):
     return model, tok
 
 
-def save_dequantised(model, out_dir: str | os.PathLike, tokenizer=None, *,
-                     name_or_path: str | None = None) -> dict:
+def save_dequantised(model, out_dir: str | os.PathLike, tokenizer=None) -> dict:
     """Save a model dequantised by transformers' GGUF loader (:func:`load_gguf_model`) as a
     plain float32 Hugging Face folder in ``out_dir``, with ``tokenizer`` when given.
 
@@ -330,7 +329,6 @@ def save_dequantised(model, out_dir: str | os.PathLike, tokenizer=None, *,
         model: the loaded model (float32 weights).
         out_dir: folder to write (created).
         tokenizer: saved next to the model when not None.
-        name_or_path: recorded as the config's ``_name_or_path`` when given.
 
     Returns:
         ``{file name: {"bytes": int, "sha256": str}}`` of what ``out_dir`` holds.
@@ -347,8 +345,6 @@ def save_dequantised(model, out_dir: str | os.PathLike, tokenizer=None, *,
         with contextlib.suppress(AttributeError):
             model.is_quantized = False
     cfg.dtype = torch.float32
-    if name_or_path is not None:
-        cfg.name_or_path = name_or_path
     model.save_pretrained(str(out), safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
@@ -373,7 +369,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> di
     import torch
 
     model, tok = load_gguf_model(gguf_path, torch.float32)
-    return save_dequantised(model, out_dir, tok, name_or_path=SMOLLM2.name)
+    return save_dequantised(model, out_dir, tok)
 
 
 def _versions() -> dict:
