@@ -604,9 +604,9 @@ def _fake_engines(monkeypatch, log):
         def __init__(self, name):
             self.name = name
 
-    def build(cfg, spec, mml):
+    def build(cfg, spec, mml, engine_args=None):
         name = "ar" if spec is None else spec["method"]
-        log.append(("start", name))
+        log.append(("start", name) if not engine_args else ("start", name, engine_args))
         return Fake(name)
 
     speeds = {"ar": 100.0, "ngram": 150.0}
@@ -693,6 +693,27 @@ def test_run_bench_several_engine_instances(monkeypatch, tmp_path, scope):
     cells = [c.strip() for c in ng_line.strip("|").split("|")]
     assert cells[header.index("speedup per engine")] == " / ".join(f"{v:.3f}" for v in want)
     assert "speedup per engine" not in report.markdown_table(report.summarize(recs[:1]))
+
+
+def test_method_config_engine_args_reach_only_that_engine(monkeypatch, tmp_path):
+    """``--method-config 'ar-sync={"engine_args": {...}}'``: an AR engine with its own vLLM
+    keyword arguments (e.g. asynchronous scheduling off); other engines get none, and a
+    non-object ``engine_args`` is refused with the method named."""
+    log = []
+    _fake_engines(monkeypatch, log)
+    cfg = harness.BenchConfig(methods=["ar", "ar-sync"], gen_lens=[16], batch_sizes=[1],
+                              samplings=["greedy"], repeats=1, out_dir=str(tmp_path), random_prompts=True,
+                              prefix_len=32, engine_scope="interleave",
+                              method_configs={"ar-sync": {"engine_args": {"async_scheduling": False}}})
+    assert harness.speculative_config("ar-sync", cfg) is None
+    assert harness.method_engine_args("ar-sync", cfg) == {"async_scheduling": False}
+    assert harness.method_engine_args("ar", cfg) == {}
+    recs = harness.run_bench(cfg, progress=False)
+    assert log[:2] == [("start", "ar"), ("start", "ar", {"async_scheduling": False})]
+    assert sorted(r["method"] for r in recs if r["status"] == "ok") == ["ar", "ar-sync"]
+    bad = harness.BenchConfig(method_configs={"x": {"engine_args": [1]}})
+    with pytest.raises(ValueError, match="'x'.*engine_args.*JSON object"):
+        harness.method_engine_args("x", bad)
 
 
 def test_bench_cli_interleave_flag():

@@ -158,7 +158,11 @@ class BenchConfig:
         k: ``num_speculative_tokens`` of TokenSwift.
         tokenswift: extra ``"tokenswift"`` settings merged into every variant.
         method_configs: method name -> speculative config dict (``None`` = AR);
-            overrides or adds methods.
+            overrides or adds methods. An ``"engine_args"`` key in it holds extra
+            ``vllm.LLM`` keyword arguments for that method's engine only (the rest, if
+            empty, is AR), e.g. ``{"engine_args": {"async_scheduling": false}}``: plain
+            decoding without asynchronous scheduling, which vLLM turns off for n-gram,
+            suffix and custom-class speculative decoding.
         engine_scope: ``"method"``, ``"setting"`` or ``"interleave"`` (see module doc;
             ``"interleave"`` holds one engine per method in memory at once).
         enforce_eager: pass ``enforce_eager`` to vLLM (no torch.compile; fast start).
@@ -216,7 +220,7 @@ def speculative_config(method: str, cfg: BenchConfig) -> dict[str, Any] | None:
         ValueError: unknown method.
     """
     if method in cfg.method_configs:
-        mc = cfg.method_configs[method]
+        mc = {k: v for k, v in (cfg.method_configs[method] or {}).items() if k != "engine_args"}
         return copy.deepcopy(mc) if mc else None
     if method == "ar":
         return None
@@ -230,6 +234,21 @@ def speculative_config(method: str, cfg: BenchConfig) -> dict[str, Any] | None:
         return copy.deepcopy(SUFFIX_CONFIG)
     raise ValueError(f"unknown method {method!r}; known: {', '.join(KNOWN_METHODS)} "
                      "(or define it with --method-config NAME=JSON)")
+
+
+def method_engine_args(method: str, cfg: BenchConfig) -> dict[str, Any]:
+    """Extra ``vllm.LLM`` keyword arguments of ``method``'s engine: the ``"engine_args"``
+    of its ``--method-config`` (over the invocation's ``engine_kwargs``); ``{}`` if none.
+
+    Raises:
+        ValueError: ``"engine_args"`` is not a JSON object.
+    """
+    mc = cfg.method_configs.get(method) or {}
+    extra = mc.get("engine_args", {}) if isinstance(mc, dict) else {}
+    if not isinstance(extra, dict):
+        raise ValueError(f"method {method!r}: \"engine_args\" must be a JSON object of vllm.LLM "
+                         f"keyword arguments, got {extra!r}")
+    return dict(extra)
 
 
 def sampling_kwargs(method: str, sampling: str, spec: dict[str, Any] | None
@@ -457,8 +476,11 @@ def build_prompts(streams: Sequence[Sequence[int]], batch_size: int, prefix_len:
 # Engine handling
 # ---------------------------------------------------------------------------
 
-def build_engine(cfg: BenchConfig, spec: dict[str, Any] | None, max_model_len: int):
-    """Create a ``vllm.LLM`` for the benchmark (CPU-friendly defaults)."""
+def build_engine(cfg: BenchConfig, spec: dict[str, Any] | None, max_model_len: int,
+                 engine_args: dict[str, Any] | None = None):
+    """Create a ``vllm.LLM`` for the benchmark (CPU-friendly defaults), with
+    ``cfg.engine_kwargs`` and then ``engine_args`` (one method's, see
+    :func:`method_engine_args`) applied last."""
     from vllm import LLM
     kw: dict[str, Any] = dict(
         model=cfg.model, tokenizer=cfg.tokenizer or cfg.model, dtype=cfg.dtype,
@@ -475,6 +497,7 @@ def build_engine(cfg: BenchConfig, spec: dict[str, Any] | None, max_model_len: i
 
         kw["hf_overrides"] = yarn_overrides(cfg.model, cfg.yarn)
     kw.update(cfg.engine_kwargs)
+    kw.update(engine_args or {})
     return LLM(**kw)
 
 
@@ -806,6 +829,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True,
         (records written) when the method is unavailable or its engine fails to start."""
         try:
             spec = speculative_config(method, cfg)
+            engine_args = method_engine_args(method, cfg)
         except ValueError as e:
             spec, why = None, str(e)
         else:
@@ -828,7 +852,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True,
         llm = None
         try:
             bar.set_postfix_str(f"{method}: starting engine" + (f" {inst + 1}/{n_inst}" if n_inst > 1 else ""))
-            llm = build_engine(cfg, spec, mml)
+            llm = build_engine(cfg, spec, mml, engine_args)
             warmup(llm, prompts_by_b[group[0][1]][0], cfg.warmup_tokens)
             for g, b, s in group:   # untimed: first use of each batch shape / sampling path
                 try:
