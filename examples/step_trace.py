@@ -20,7 +20,8 @@ method's engine is started first and kept, and the runs alternate round by round
 drift of the machine hits every method alike; a last table then gives, per quarter of the
 run, the median milliseconds of single-token steps per method (medians over rounds):
 where a per-step gap between two engines lies, and whether it grows with the output.
-``ts-empty`` is a TokenSwift engine whose proposer returns no drafts at once.
+``ts-empty`` is a TokenSwift engine whose proposer returns no drafts at once;
+``--ts-variant NAME=JSON`` adds TokenSwift engines with other settings (an A/B in one run).
 
     python examples/step_trace.py --model tiny --k 4 --methods ar,ts-empty,ts \
         --batch-size 1 --new-tokens 16384 --rounds 2
@@ -154,6 +155,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="runs per method, alternating round by round with every engine kept (default 1: "
                          "one run each, engines one after another)")
+    ap.add_argument("--ts-variant", action="append", default=[], metavar="NAME=JSON",
+                    help="another TokenSwift engine NAME with these \"tokenswift\" settings merged into "
+                         "ts's, e.g. 'ts-old={\"policy_tuning\": {\"explore_beside_ngram\": true}}' "
+                         "(repeatable; list NAME in --methods)")
     ap.add_argument("--json", default=None, help="write every step's record here")
     ap.add_argument("--log", default="/tmp/step_trace.log", help="vLLM's own log lines go here")
     args = ap.parse_args()
@@ -179,6 +184,15 @@ def main() -> None:
             sp_other = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True,
                                       **{k: v for k, v in SAMPLING_PRESETS["paper"].items() if k != "min_p"})
         specs["ts-empty"] = specs["ts"]
+        for item in args.ts_variant:
+            name, sep, js = item.partition("=")
+            if not sep or not name.strip():
+                raise SystemExit(f"--ts-variant expects NAME=JSON, got {item!r}")
+            try:
+                extra = json.loads(js)
+            except ValueError as e:
+                raise SystemExit(f"--ts-variant {name}: bad JSON: {e}") from None
+            specs[name.strip()] = {**specs["ts"], "tokenswift": {**specs["ts"]["tokenswift"], **extra}}
         names = args.methods.split(",")
         bad = [n for n in names if n not in specs]
         if bad:

@@ -26,6 +26,22 @@ def test_defaults_match_the_documented_ones():
     assert (cfg.kv_budget, cfg.sink_tokens, cfg.ngram_n, cfg.ngram_topk) == (4096, 16, 4, 20)
     assert cfg.tree == [1, 3, 3, 3] and cfg.draft_kv == "dynamic" and cfg.use_heads is True
     assert cfg.heads == "/h" and cfg.num_speculative_tokens == 4
+    t = cfg.policy_tuning
+    assert (t.min_gain, t.draft_token_cost_prior, t.explore_every, t.explore_max,
+            t.explore_beside_ngram) == (0.05, 0.08, 48, 768, False)
+
+
+def test_policy_tuning_travels_to_the_worker_as_plain_json():
+    """The plugin hands the settings to the workers as ``model_dump()`` in
+    ``additional_config``; the nested tuning survives JSON and validates again."""
+    import json
+
+    cfg = TokenSwiftConfig.from_speculative_dict(
+        {"method": "tokenswift", "model": "/h",
+         "tokenswift": {"policy_tuning": {"explore_every": 0, "draft_token_cost_prior": 0.01}}})
+    again = TokenSwiftConfig.parse(json.loads(json.dumps(cfg.model_dump())))
+    assert again == cfg and again.policy_tuning.explore_every == 0
+    assert again.policy_tuning.draft_token_cost_prior == 0.01 and again.policy_tuning.explore_max == 768
 
 
 @pytest.mark.parametrize("bad, msg", [
@@ -42,6 +58,9 @@ def test_defaults_match_the_documented_ones():
     ({"ngram_n": 1}, "tokenswift.ngram_n"),
     ({"kv_bugdet": 10}, "tokenswift.kv_bugdet"),
     ({"use_heads": True, "heads": None}, "no heads checkpoint"),
+    ({"policy_tuning": {"explore_evry": 4}}, "tokenswift.policy_tuning.explore_evry"),
+    ({"policy_tuning": {"min_gain": -0.1}}, "tokenswift.policy_tuning.min_gain"),
+    ({"policy_tuning": {"explore_every": 100, "explore_max": 50}}, "explore_every=100 is larger than explore_max=50"),
 ])
 def test_invalid_settings_name_the_field(bad, msg):
     spec = {"method": "tokenswift", "tokenswift": bad}

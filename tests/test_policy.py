@@ -101,6 +101,22 @@ def test_cost_model_fits_and_priors():
     assert other.costs() == pytest.approx(cm.costs())
 
 
+def test_draft_token_prior_is_a_fraction_of_the_whole_batch_step():
+    """Before any drafting step is observed, a verified draft token is priced at
+    ``prior_b`` × the plain step of the whole batch, at batch 1 and at batch 8 alike (it
+    used to be divided by the batch size: 0.08·a/8 at batch 8)."""
+    for rows in (1, 8):
+        cm = pol.CostModel(prior_b=0.08)
+        for _ in range(16):
+            cm.observe_step(0.2, rows=rows, draft_tokens=0)   # plain steps only: b is the prior's
+        c = cm.costs()
+        assert c["a"] == pytest.approx(0.2, rel=1e-6)
+        assert c["b"] == pytest.approx(0.08 * 0.2, rel=1e-6)
+    cm = pol.CostModel(prior_b=0.01)
+    cm.observe_step(0.2, rows=8, draft_tokens=0)
+    assert cm.costs()["b"] == pytest.approx(0.002, rel=1e-6)
+
+
 def test_acceptance_counts_and_shrinkage():
     am = pol.AcceptanceModel(depth=4, prior_weight=4.0)
     req = am.new_request()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_tokenswift.config import TokenSwiftConfig
+from vllm_tokenswift.config import PolicyTuning, TokenSwiftConfig
 from vllm_tokenswift.proposer import TokenSwiftProposer, _Row
 
 
@@ -151,11 +151,10 @@ def test_inverse_cdf_draws_follow_q_and_never_take_zero_mass_tokens():
 
 def test_exploration_backs_off_while_forced_tries_are_not_taken_up():
     """The adaptive policy forces a try of the draft forward every ``explore_gap`` steps of
-    a request; each forced try doubles the gap (up to EXPLORE_MAX), a voluntary choice
-    resets it."""
+    a request; each forced try doubles the gap (up to ``policy_tuning.explore_max``), a
+    voluntary choice resets it."""
     from vllm_tokenswift import policy as pol
-    from vllm_tokenswift.proposer import EXPLORE_EVERY, EXPLORE_MAX
-
+    EXPLORE_EVERY, EXPLORE_MAX = PolicyTuning().explore_every, PolicyTuning().explore_max
     prop = _proposer(policy="adaptive")
     st = prop._new_state(_runner(r=1), "r")
     r = _Row(0, "r", st, pos=10, room=4, context=[1, 2])
@@ -171,13 +170,13 @@ def test_exploration_backs_off_while_forced_tries_are_not_taken_up():
     for _ in range(8):   # forced tries, never chosen voluntarily
         step = tried + st.explore_gap
         assert forced_at(step - 1) is None and forced_at(step) == pol.FORWARD
-        st.took(pol.FORWARD, forced=True)
+        st.took(pol.FORWARD, forced=True, tuning=PolicyTuning())
         tried = step
         gaps.append(st.explore_gap)
     assert gaps == [96, 192, 384, 768, 768, 768, 768, 768] and EXPLORE_MAX == 768
-    st.took(pol.NGRAM, forced=False)          # other options leave the gap alone
+    st.took(pol.NGRAM, forced=False, tuning=PolicyTuning())          # other options leave the gap alone
     assert st.explore_gap == EXPLORE_MAX
-    st.took(pol.FORWARD, forced=False)        # chosen on its own: back to the short gap
+    st.took(pol.FORWARD, forced=False, tuning=PolicyTuning())        # chosen on its own: back to the short gap
     assert st.explore_gap == EXPLORE_EVERY
     assert forced_at(st.steps + EXPLORE_EVERY) == pol.FORWARD
 
@@ -187,7 +186,7 @@ def test_exploration_waits_while_full_chains_are_accepted():
     full length (num_speculative_tokens) and wholly accepted, and happens at the first
     step after a chain that was not."""
     from vllm_tokenswift import policy as pol
-    from vllm_tokenswift.proposer import EXPLORE_EVERY
+    EXPLORE_EVERY = PolicyTuning().explore_every
 
     prop = _proposer(policy="adaptive")
     prop.calibration = pol.Calibration(positions=4)
@@ -203,6 +202,36 @@ def test_exploration_waits_while_full_chains_are_accepted():
     assert prop._row_options(r, has_fused=False).forced is None
     prop._account(st, 4, 2)            # a rejection
     assert prop._row_options(r, has_fused=False).forced == pol.FORWARD
+
+
+def test_exploration_waits_while_the_ngram_chain_yields_more_than_a_try_could():
+    """A due forced try is skipped while the request's n-gram chain is expected to yield at
+    least the tried option's own positions (4 for the draft forward at room 4), taken when
+    it is expected to yield less, always taken with ``explore_beside_ngram``, and never
+    forced with ``explore_every=0``; the tuning's gaps set the request's first gap."""
+    from vllm_tokenswift import policy as pol
+    from vllm_tokenswift.chain import SOURCE_NGRAM, Chain
+
+    def forced(tuning, conf):
+        # heads on: the draft forward's own positions are l_0..l_3, 4 at room 4
+        prop = _proposer(policy="adaptive", use_heads=True, heads="/h", policy_tuning=tuning)
+        prop.calibration = pol.Calibration(positions=4, prior_weight=1e9)  # prob = bin centre
+        st = prop._new_state(_runner(r=1), "r")
+        st.temperature = 0.0
+        st.steps = st.explore_gap
+        r = _Row(0, "r", st, pos=10, room=4, context=[1, 2])
+        r.ngram = Chain([5, 6, 7, 8, 9, 10], [SOURCE_NGRAM] * 6, 0.0, confs=[conf] * 6)
+        opts = prop._row_options(r, has_fused=False)
+        return st.explore_gap, float(np.sum(opts.cums[pol.NGRAM])), opts.forced
+
+    gap, ngram_yield, f = forced({}, 0.99)          # 6 tokens at 0.95 each: 4.35 expected
+    assert gap == 48 and ngram_yield == pytest.approx(sum(0.95 ** j for j in range(1, 7)))
+    assert ngram_yield >= 4 and f is None
+    gap, ngram_yield, f = forced({}, 0.75)          # 0.75 each: 2.47 expected < 4
+    assert ngram_yield < 4 and f == pol.FORWARD
+    assert forced({"explore_beside_ngram": True}, 0.99)[2] == pol.FORWARD
+    assert forced({"explore_every": 0, "explore_max": 10}, 0.75)[2] is None
+    assert forced({"explore_every": 10, "explore_max": 10}, 0.75)[:1] == (10,)
 
 
 def test_greedy_acceptance_does_not_calibrate_sampled_chains():
@@ -253,8 +282,9 @@ def test_due_exploration_tries_wait_for_an_aligned_engine_step():
     multiple of EXPLORE_ALIGN, so requests that fell due at different steps of a batch
     try together (one draft forward for all of them)."""
     from vllm_tokenswift import policy as pol
-    from vllm_tokenswift.proposer import EXPLORE_ALIGN, EXPLORE_EVERY
+    from vllm_tokenswift.proposer import EXPLORE_ALIGN
 
+    EXPLORE_EVERY = PolicyTuning().explore_every
     prop = _proposer(policy="adaptive")
     runner = _runner(r=2)
     a, b = prop._new_state(runner, "a"), prop._new_state(runner, "b")
@@ -276,15 +306,15 @@ def test_a_choice_made_alongside_a_forced_try_backs_off_like_a_try():
     to try it (its fixed cost paid anyway) doubles its exploration gap like a forced try;
     only a choice made with nobody forced resets the gap."""
     from vllm_tokenswift import policy as pol
-    from vllm_tokenswift.proposer import EXPLORE_EVERY
+    EXPLORE_EVERY = PolicyTuning().explore_every
 
     prop = _proposer(policy="adaptive")
     st = prop._new_state(_runner(r=1), "r")
-    st.took(pol.FORWARD, forced=False, alongside_forced=True)
+    st.took(pol.FORWARD, forced=False, alongside_forced=True, tuning=PolicyTuning())
     assert st.explore_gap == 2 * EXPLORE_EVERY
-    st.took(pol.FUSED, forced=False, alongside_forced=True)
+    st.took(pol.FUSED, forced=False, alongside_forced=True, tuning=PolicyTuning())
     assert st.explore_gap == 4 * EXPLORE_EVERY
-    st.took(pol.NGRAM, forced=False, alongside_forced=True)      # no fixed cost: gap unchanged
+    st.took(pol.NGRAM, forced=False, alongside_forced=True, tuning=PolicyTuning())      # no fixed cost: gap unchanged
     assert st.explore_gap == 4 * EXPLORE_EVERY
-    st.took(pol.FORWARD, forced=False)
+    st.took(pol.FORWARD, forced=False, tuning=PolicyTuning())
     assert st.explore_gap == EXPLORE_EVERY

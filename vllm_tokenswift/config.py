@@ -41,6 +41,52 @@ class TokenSwiftConfigError(ValueError):
     """Raised when a TokenSwift setting is invalid; the message names the field."""
 
 
+class PolicyTuning(BaseModel):
+    """Advanced settings of the adaptive drafting policy (``vllm_tokenswift.policy``), under
+    ``"tokenswift": {"policy_tuning": {...}}``. The defaults were measured on SmolLM2-135M
+    on a 2-core CPU; they exist so that a deployment (or a benchmark A/B) can change them
+    without a new release.
+
+    Attributes:
+        min_gain: relative margin by which a drafting plan's predicted tokens per second
+            must beat plain decoding's before the policy drafts on its own (the winner's
+            curse of noisy estimates; ``policy.MIN_GAIN``). 0: pure maximisation.
+        draft_token_cost_prior: prior cost of one verified draft token, as a fraction of
+            a plain step of the *whole batch* (``policy.CostModel.prior_b``). It does not
+            shrink with the batch size: verifying draft tokens beside R decode rows widens
+            every matrix product of the step, and on CPUs the step time rises in jumps
+            once the step's tokens pass the kernels' tile size. The online fit replaces
+            the prior wherever drafting steps are measured.
+        explore_every: a request is forced to try the draft forward / the fused heads at
+            least once every this many of its steps, so that their acceptance stays
+            measured (0: never force a try; the policy then takes an option only when
+            its current estimates favour it).
+        explore_max: the gap between forced tries doubles after every try the policy did
+            not then take up on its own, up to this many steps.
+        explore_beside_ngram: also force a try while the request's n-gram chain is
+            expected to yield at least as many tokens as the tried option could at best
+            (its own positions all accepted). Off by default: such a try can only lose
+            the step's n-gram yield (greedy 6K on SmolLM2: 18-24 fused-heads tries per
+            run accepting 0.9 tokens each, where an n-gram step accepted 7.46).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min_gain: float = Field(0.05, ge=0.0, le=1.0)
+    draft_token_cost_prior: float = Field(0.08, ge=0.0, le=1.0)
+    explore_every: int = Field(48, ge=0, le=1_000_000)
+    explore_max: int = Field(768, ge=1, le=1_000_000)
+    explore_beside_ngram: bool = False
+
+    @model_validator(mode="after")
+    def _gap_order(self) -> "PolicyTuning":
+        if self.explore_every > self.explore_max:
+            raise ValueError(f"policy_tuning.explore_every={self.explore_every} is larger than "
+                             f"explore_max={self.explore_max}; the gap only grows from explore_every "
+                             "up to explore_max")
+        return self
+
+
 class TokenSwiftConfig(BaseModel):
     """Validated TokenSwift proposer settings.
 
@@ -84,6 +130,8 @@ class TokenSwiftConfig(BaseModel):
             step by step, so one generation switches between all of them.
         fused_heads: Allow the fused-heads option under ``policy="adaptive"``
             (beyond the paper; off for the ablation).
+        policy_tuning: :class:`PolicyTuning`, the adaptive policy's advanced settings
+            (exploration, cost prior, margin over plain decoding).
         heads: Path of the heads checkpoint (taken from the speculative config's
             ``"model"``); ``None`` only when ``use_heads`` is false.
         num_speculative_tokens: Longest chain proposed per step (from the
@@ -107,6 +155,7 @@ class TokenSwiftConfig(BaseModel):
     ngram_min_conf: float = Field(0.3, ge=0.0, le=1.0)
     policy: Literal["adaptive", "paper", "cycle"] = "adaptive"
     fused_heads: bool = True
+    policy_tuning: PolicyTuning = Field(default_factory=PolicyTuning)
     heads: str | None = None
     num_speculative_tokens: int = Field(4, ge=1, le=64)
     num_heads: int = Field(DEFAULT_NUM_HEADS, ge=0, le=16)

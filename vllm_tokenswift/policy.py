@@ -209,7 +209,11 @@ class CostModel:
     Priors, as fractions of the draft-free step time ``a`` and of its per-request share
     ``a/R`` (``R``: requests in the step, averaged over the observations): a step that
     verifies any draft pays ``prior_g``·a once (the rejection sampler, the spec-decode
-    metadata and the wider logits), each verified draft token ``prior_b``·a/R, the
+    metadata and the wider logits), each verified draft token ``prior_b``·a (not ``a/R``:
+    at batch 8 under the paper's sampling, where 98% of the steps are plain and the fit
+    sees few drafting steps, ``0.08·a/8`` = 2.3 ms let the policy verify 6-token n-gram
+    chains accepting 1 token each, while verifying more than 8 draft tokens beside 8
+    decode rows cost 5-9 ms per token on the CPU; see ``PolicyTuning.draft_token_cost_prior``), the
     draft forward ``prior_forward``·a (it reads all the weights, like a decode step, but
     attends to the budgeted view only) plus ``prior_forward_row``·a/R per row, the fused
     heads ``prior_fused``·a (three ``H×H`` products and one LM-head product for three
@@ -320,7 +324,7 @@ class CostModel:
     def _solve(self) -> dict:
         a_prior = self._a0 if self._a0 is not None else 1.0
         rows = sum(self._rows) / len(self._rows) if self._rows else 1.0
-        a, g, b = self._step.solve((a_prior, self.prior_g * a_prior, self.prior_b * a_prior / rows),
+        a, g, b = self._step.solve((a_prior, self.prior_g * a_prior, self.prior_b * a_prior),
                                    (1.0, 1.0, 4.0 * rows))
         a = max(a, 1e-6)
         b = max(b, 1e-4 * a / rows)

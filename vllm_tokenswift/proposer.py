@@ -53,7 +53,8 @@ import torch
 from vllm_tokenswift import policy as pol
 from vllm_tokenswift.chain import (SOURCE_FUSED, SOURCE_HEADS, Chain, build_chain,
                                    extend_chain, ngram_chain, select_chain)
-from vllm_tokenswift.config import ADDITIONAL_CONFIG_KEY, TokenSwiftConfig, TokenSwiftConfigError
+from vllm_tokenswift.config import (ADDITIONAL_CONFIG_KEY, PolicyTuning, TokenSwiftConfig,
+                                    TokenSwiftConfigError)
 from vllm_tokenswift.draft_forward import TargetAccess, tp_all_gather, tp_broadcast_from_rank0
 from vllm_tokenswift.kv_view import RequestView, ViewPlanner, sum_over_ranks
 from vllm_tokenswift.metrics import TokenSwiftStats
@@ -62,12 +63,10 @@ from vllm_tokenswift.penalty import window_from_params
 
 logger = logging.getLogger("vllm_tokenswift")
 
-#: adaptive policy: a request tries the draft forward / fused heads at least once
-#: every this many of its steps (deterministic exploration) ...
-EXPLORE_EVERY = 48
-#: ... a gap that doubles after every forced try the policy did not then take up
-#: voluntarily, up to this many steps (an option that never pays costs ever less)
-EXPLORE_MAX = 768
+#: adaptive policy: a request tries the draft forward / fused heads at least once every
+#: ``policy_tuning.explore_every`` of its steps (deterministic exploration), a gap that
+#: doubles after every forced try the policy did not then take up voluntarily, up to
+#: ``policy_tuning.explore_max`` steps (an option that never pays costs ever less) ...
 #: ... and a due try waits for the next engine step that is a multiple of this, so that
 #: the due requests of a batch try together and share one draft forward: its fixed cost
 #: (reading all the weights) is most of what a try costs, whatever the rows (batch-8
@@ -122,7 +121,7 @@ class _RequestState:
     acceptance: dict = field(default_factory=dict)     # policy.AcceptanceModel.new_request()
     steps: int = 0
     tried: dict = field(default_factory=dict)          # kind -> step it was last taken
-    explore_gap: int = EXPLORE_EVERY                    # steps between forced tries
+    explore_gap: int = PolicyTuning().explore_every     # steps between forced tries
     all_accepted: bool = False   # last step verified a full-length chain and accepted all of it
     q_row: int = -1          # row of this request in the last draft forward's captured queries
     q_step: int = -1         # step id of that capture
@@ -134,10 +133,11 @@ class _RequestState:
     def sampled(self) -> bool:
         return self.temperature > 1e-5
 
-    def took(self, kind: str, forced: bool, alongside_forced: bool = False) -> None:
+    def took(self, kind: str, forced: bool, alongside_forced: bool = False, *,
+             tuning: PolicyTuning) -> None:
         """Book that the request took option ``kind`` this step: the adaptive policy's
         exploration gap doubles after a forced try of the draft forward or the fused
-        heads (up to :data:`EXPLORE_MAX`) and resets to :data:`EXPLORE_EVERY` when the
+        heads (up to ``tuning.explore_max``) and resets to ``tuning.explore_every`` when the
         policy chose one of them on its own.
 
         ``alongside_forced``: another request of the batch was forced to try this step.
@@ -149,8 +149,8 @@ class _RequestState:
         fused-heads request-steps in one round against 23 and 16 in the round before.)"""
         self.tried[kind] = self.steps
         if kind in (pol.FORWARD, pol.FUSED):
-            self.explore_gap = (min(2 * self.explore_gap, EXPLORE_MAX) if forced or alongside_forced
-                                else EXPLORE_EVERY)
+            self.explore_gap = (min(2 * self.explore_gap, tuning.explore_max) if forced or alongside_forced
+                                else tuning.explore_every)
 
 
 @dataclass
@@ -219,7 +219,8 @@ class TokenSwiftProposer:
         self.access = TargetAccess(vllm_config, self.block_size, self.vocab_size, self.tp_size)
         self.heads = None
         self._planner: ViewPlanner | None = None
-        self.costs = pol.CostModel(refresh_every=COST_REFRESH_EVERY)
+        self.costs = pol.CostModel(refresh_every=COST_REFRESH_EVERY,
+                                   prior_b=self.cfg.policy_tuning.draft_token_cost_prior)
         self.acceptance = pol.AcceptanceModel(self.num_spec_tokens)
         self.calibration = pol.Calibration(positions=self.num_spec_tokens)
         self._step = 0
@@ -231,6 +232,11 @@ class TokenSwiftProposer:
         self._step_fwd_s = 0.0
         self._step_fused_s = 0.0
         self.last_decision: pol.Decision | None = None
+
+    @property
+    def tuning(self):
+        """The adaptive policy's advanced settings (``config.PolicyTuning``)."""
+        return self.cfg.policy_tuning
 
     # ----------------------------------------------------------------- set-up
     def load_model(self, target_model) -> None:
@@ -305,7 +311,7 @@ class TokenSwiftProposer:
         req = runner.requests.get(req_id)
         sp = getattr(req, "sampling_params", None)
         ng = NGramTable(self.cfg.ngram_n) if self.cfg.ngram_topk > 0 else None
-        st = _RequestState(ngrams=ng)
+        st = _RequestState(ngrams=ng, explore_gap=self.tuning.explore_every)
         if sp is not None:
             st.temperature = float(sp.temperature)
             st.min_p = float(sp.min_p or 0.0)
@@ -455,7 +461,7 @@ class TokenSwiftProposer:
             if self.tp_size > 1 and self._step % COST_SYNC_EVERY == 1:
                 self.costs.load_state(tp_broadcast_from_rank0(self.costs.state()))
             costs = self.costs.costs()
-            dec = pol.decide(options, costs)
+            dec = pol.decide(options, costs, self.tuning.min_gain)
             if cfg.policy == "adaptive" and pol.needs_plain_probe(
                     dec, options, costs, self.costs.plain_observations()):
                 dec = pol.plain_decision(options, costs)
@@ -495,7 +501,7 @@ class TokenSwiftProposer:
             out[r.batch_row] = toks
             st = r.state
             st.last = _Proposal(kind, list(srcs), list(confs), span)
-            st.took(kind, r.forced, alongside_forced=any_forced and not r.forced)
+            st.took(kind, r.forced, alongside_forced=any_forced and not r.forced, tuning=self.tuning)
             self.stats.record_chain(list(srcs), kind)
             if kind in (pol.FUSED, pol.NGRAM):
                 self.stats.drafts_skipped_forward += 1
@@ -519,16 +525,22 @@ class TokenSwiftProposer:
             forced = pol.KINDS[st.steps % len(pol.KINDS)]
             if forced not in cums:
                 forced = pol.NGRAM if pol.NGRAM in cums else pol.NONE
-        elif (self.cfg.policy == "adaptive" and st.steps > 2 and not st.all_accepted
-              and self._step % EXPLORE_ALIGN == 0):
+        elif (self.cfg.policy == "adaptive" and self.tuning.explore_every and st.steps > 2
+              and not st.all_accepted and self._step % EXPLORE_ALIGN == 0):
             # A request whose last chain was full length and wholly accepted (a text that
             # repeats itself) defers its forced try: no option can yield more than a
-            # full-length accepted chain, so the try could only lose a step. Tries wait
-            # for an aligned engine step (EXPLORE_ALIGN; the same step on every TP rank).
+            # full-length accepted chain, so the try could only lose a step. So does one
+            # whose n-gram chain is expected to yield at least what the tried option's own
+            # positions could at best (unless explore_beside_ngram). Tries wait for an
+            # aligned engine step (EXPLORE_ALIGN; the same step on every TP rank).
+            ngram_yield = float(np.sum(cums[pol.NGRAM])) if pol.NGRAM in cums else 0.0
             for kind in (pol.FORWARD, pol.FUSED):
-                if kind in cums and st.steps - st.tried.get(kind, 0) >= st.explore_gap:
-                    forced = kind
-                    break
+                if kind not in cums or st.steps - st.tried.get(kind, 0) < st.explore_gap:
+                    continue
+                if not self.tuning.explore_beside_ngram and ngram_yield >= len(cums[kind]):
+                    continue
+                forced = kind
+                break
         return pol.RowOptions(cums, forced)
 
     def _calibrated_cum(self, ch: Chain, sampled: bool) -> np.ndarray:
