@@ -22,6 +22,8 @@ run, the median milliseconds of single-token steps per method (medians over roun
 where a per-step gap between two engines lies, and whether it grows with the output.
 ``ts-empty`` is a TokenSwift engine whose proposer returns no drafts at once;
 ``--ts-variant NAME=JSON`` adds TokenSwift engines with other settings (an A/B in one run).
+A last table splits every run's steps by width (plain, drafts verified, the batch's tail,
+prefill); ``--from-json FILE`` prints all tables again from a run saved with ``--json``.
 
     python examples/step_trace.py --model tiny --k 4 --methods ar,ts-empty,ts \
         --batch-size 1 --new-tokens 16384 --rounds 2
@@ -113,6 +115,40 @@ def _by_quarter(records: dict) -> str:
     return "\n".join(lines)
 
 
+def _by_width(records: dict, batch_size: int, k: int) -> str:
+    """Per run, the steps by how many tokens they scheduled against the batch: ``plain``
+    (exactly ``batch_size``: every request decodes one token, no drafts), ``drafts``
+    (more, up to ``batch_size × (k + 1)``: draft tokens verified; the extra execute_model
+    milliseconds per step over the plain steps' median, and the draft tokens), ``tail``
+    (fewer: requests that already finished, or had not started) and ``prefill`` (more than
+    that). Seconds are execute_model + sampling + gap: what the run spent in them."""
+    ms = 1000.0
+    lines = [f"steps by width (batch {batch_size}): count, seconds; drafts: extra ms per step over "
+             "the plain median, draft tokens",
+             "  method      round   plain      s     drafts      s  extra ms  tokens    tail      s  "
+             "prefill      s  proposer s"]
+    cap = batch_size * (k + 1)
+    for name, runs in records.items():
+        for run in runs:
+            st = run["steps"]
+            parts = {"plain": [x for x in st if x["tok"] == batch_size],
+                     "drafts": [x for x in st if batch_size < x["tok"] <= cap],
+                     "tail": [x for x in st if x["tok"] < batch_size],
+                     "prefill": [x for x in st if x["tok"] > cap]}
+
+            def secs(xs):
+                return sum(x["exec"] + x.get("sample", 0.0) + x.get("gap", 0.0) for x in xs)
+
+            plain_med = statistics.median(x["exec"] for x in parts["plain"]) if parts["plain"] else 0.0
+            d = parts["drafts"]
+            extra = (statistics.mean(x["exec"] for x in d) - plain_med) * ms if d else 0.0
+            lines.append(f"  {name:<11} {run.get('round', 0):>5} {len(parts['plain']):7d} {secs(parts['plain']):6.1f} "
+                         f"{len(d):10d} {secs(d):6.1f} {extra:9.1f} {sum(x['tok'] - batch_size for x in d):7d} "
+                         f"{len(parts['tail']):7d} {secs(parts['tail']):6.1f} {len(parts['prefill']):8d} "
+                         f"{secs(parts['prefill']):6.1f} {sum(x.get('prop', 0.0) for x in st):11.2f}")
+    return "\n".join(lines)
+
+
 def _take(worker):
     r = worker.model_runner
     out, r._trace, r._trace_end = r._trace, [], None
@@ -161,7 +197,21 @@ def main() -> None:
                          "(repeatable; list NAME in --methods)")
     ap.add_argument("--json", default=None, help="write every step's record here")
     ap.add_argument("--log", default="/tmp/step_trace.log", help="vLLM's own log lines go here")
+    ap.add_argument("--from-json", default=None, metavar="FILE",
+                    help="print the tables of a run saved with --json (no engine is started)")
     args = ap.parse_args()
+    if args.from_json:
+        with open(args.from_json) as fh:
+            saved = json.load(fh)
+        a, records = saved["args"], saved["runs"]
+        for name, runs in records.items():
+            for run in runs:
+                label = name if len(runs) == 1 else f"{name} (round {run.get('round', 0)})"
+                print(_summary(label, run["wall_s"], run["steps"]))
+        if any(len(runs) > 1 for runs in records.values()):
+            print(_by_quarter(records))
+        print(_by_width(records, a["batch_size"], a["k"]))
+        return
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")   # collective_rpc with callables
     from vllm_tokenswift.bench.harness import (DEFAULT_KV_BUDGET, SAMPLING_PRESETS, BenchConfig, build_prompts,
                                                empty_proposer, engine_output_to, load_prompt_tokens, teardown_engine)
@@ -235,6 +285,7 @@ def main() -> None:
             print(_by_quarter(records), file=out, flush=True)
             for llm in engines.values():
                 teardown_engine(llm)
+        print(_by_width(records, args.batch_size, args.k), file=out, flush=True)
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump({"args": vars(args), "runs": records}, fh)

@@ -42,3 +42,20 @@ def test_summary_groups_steps_by_the_next_decision(trace):
     f = next(line for line in lines if line.strip().startswith("F "))
     assert none.split()[1] == "3" and f.split()[1] == "1"
     assert float(f.split()[5]) == 8.0 and float(f.split()[6]) == 7.0   # proposer ms, draft forward ms
+
+
+def test_steps_by_width_split_plain_drafts_tail_and_prefill(trace):
+    """Batch 2, k 3: 2 tokens = plain, 3..8 = drafts verified, fewer = tail, more = prefill;
+    the drafts' extra milliseconds are over the plain steps' median."""
+    st = [_step(2, 1000.0, 100.0, 50.0, 0.0), _step(2, 1200.0, 100.0, 50.0, 0.0),
+          _step(2, 1400.0, 100.0, 50.0, 0.0), _step(5, 2000.0, 100.0, 50.0, 0.0),
+          _step(8, 3000.0, 100.0, 50.0, 0.0), _step(1, 600.0, 100.0, 50.0, 0.0),
+          _step(100, 5000.0, 0.0, 0.0, 0.0)]
+    out = trace._by_width({"ts": [{"round": 0, "steps": st}]}, batch_size=2, k=3)
+    row = out.splitlines()[2].split()
+    assert row[:2] == ["ts", "0"]
+    assert [int(row[2]), float(row[3])] == [3, 3.9]              # 3 plain steps: 3.6 + 0.3 s
+    assert [int(row[4]), float(row[5])] == [2, 5.2]              # 2 drafting steps: 5.0 + 0.2 s
+    assert float(row[6]) == 1300.0 and int(row[7]) == 9          # (2000 + 3000) / 2 - 1200; 3 + 6 drafts
+    assert [int(row[8]), float(row[9]), int(row[10]), float(row[11])] == [1, 0.7, 1, 5.0]
+    assert float(row[12]) == 0.3                                  # proposer: 6 × 50 ms
