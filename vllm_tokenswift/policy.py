@@ -211,9 +211,10 @@ class CostModel:
     verifies any draft pays ``prior_g``·a once (the rejection sampler, the spec-decode
     metadata and the wider logits), each verified draft token ``prior_b``·a (not ``a/R``:
     at batch 8 under the paper's sampling, where 98% of the steps are plain and the fit
-    sees few drafting steps, ``0.08·a/8`` = 2.3 ms let the policy verify 6-token n-gram
-    chains accepting 1 token each, while verifying more than 8 draft tokens beside 8
-    decode rows cost 5-9 ms per token on the CPU; see ``PolicyTuning.draft_token_cost_prior``), the
+    sees few drafting steps, ``0.08·a/8`` let through steps verifying 11-12 draft tokens,
+    mostly n-gram tokens accepted about once per chain, that cost 7-10 ms per draft token
+    on the CPU, 84-124 ms over a 205 ms plain step; see
+    ``PolicyTuning.draft_token_cost_prior`` and ``step-trace/b8-paper-tuning-ab.txt``), the
     draft forward ``prior_forward``·a (it reads all the weights, like a decode step, but
     attends to the budgeted view only) plus ``prior_forward_row``·a/R per row, the fused
     heads ``prior_fused``·a (three ``H×H`` products and one LM-head product for three
