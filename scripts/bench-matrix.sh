@@ -9,7 +9,8 @@
 #   OUT     output folder (default docs/bench/smollm2/matrix)
 #   BLOCK   any of: 2k 6k ablations b8 yarn tiny16k k16 (default: all, in this order), or
 #           engines: the settings whose one-round verdicts were within a few percent, rerun on
-#           fresh engine instances (--engines; not in the default list: ~2 h)
+#           fresh engine instances (--engines; not in the default list: ~2 h), or
+#           tuning: the adaptive policy's tuning defaults against the earlier behaviour (~1 h)
 #
 # Time on the 2-core CPU (AR about 15 tok/s at 2K context): 2k ~40 min, 6k ~65 min,
 # ablations ~30 min, b8 ~40 min, yarn ~40 min, tiny16k ~25 min, k16 ~15 min; on the faster
@@ -24,6 +25,7 @@ shift || true
 BLOCKS=("$@")
 [ ${#BLOCKS[@]} -eq 0 ] && BLOCKS=(2k 6k ablations b8 yarn tiny16k k16)
 TS=.venv/bin/vllm-tokenswift
+HEADS=$PWD/vllm_tokenswift/assets/smollm2-heads
 PEERS=ar,tokenswift,ngram,ngram-best,suffix
 
 run() {  # run NAME ARGS...: one invocation unless its results are already there
@@ -61,6 +63,12 @@ for b in "${BLOCKS[@]}"; do
             --sampling paper --repeats 1 --prefix-len 2048 --kv-cache-gb 1.25
         run 6k-paper-engines --engines 2 --methods ar,tokenswift,ngram --gen-lens 6144 --batch-sizes 1 \
             --sampling paper --repeats 1 --prefix-len 2048 --kv-cache-gb 0.5 ;;
+    tuning)   # the policy_tuning defaults against the earlier behaviour, on fresh instances (~30 min each)
+        run 6k-greedy-explore-ab --engines 2 --methods ar,tokenswift,tokenswift-explore,suffix \
+            --method-config "tokenswift-explore={\"method\": \"tokenswift\", \"model\": \"$HEADS\", \"num_speculative_tokens\": 8, \"tokenswift\": {\"kv_budget\": 1024, \"policy_tuning\": {\"explore_beside_ngram\": true}}}" \
+            --gen-lens 6144 --batch-sizes 1 --sampling greedy --repeats 1 --prefix-len 2048 --kv-cache-gb 0.5
+        run b8-paper-engines3 --engines 2 --methods ar,tokenswift,ngram --gen-lens 1024 --batch-sizes 8 \
+            --sampling paper --repeats 1 --prefix-len 2048 --kv-cache-gb 1.25 ;;
     k16) run k16-2k --k 16 --methods ar,tokenswift,suffix-16 \
             --method-config 'suffix-16={"method": "suffix", "num_speculative_tokens": 16, "suffix_decoding_max_cached_requests": 0}' \
             --gen-lens 2048 --batch-sizes 1 --sampling greedy --repeats 2 --prefix-len 2048 --kv-cache-gb 0.5 ;;
