@@ -179,6 +179,8 @@ def _summary(name: str, wall: float, steps: list[dict]) -> str:
 
 
 def main() -> None:
+    from vllm_tokenswift.bench.cli import name_json_arg
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--methods", default="ar,ts")
     ap.add_argument("--batch-size", type=int, default=8)
@@ -191,7 +193,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="runs per method, alternating round by round with every engine kept (default 1: "
                          "one run each, engines one after another)")
-    ap.add_argument("--ts-variant", action="append", default=[], metavar="NAME=JSON",
+    ap.add_argument("--ts-variant", type=name_json_arg, action="append", default=[], metavar="NAME=JSON",
                     help="another TokenSwift engine NAME with these \"tokenswift\" settings merged into "
                          "ts's, e.g. 'ts-old={\"policy_tuning\": {\"explore_beside_ngram\": true}}' "
                          "(repeatable; list NAME in --methods)")
@@ -234,15 +236,8 @@ def main() -> None:
             sp_other = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True,
                                       **{k: v for k, v in SAMPLING_PRESETS["paper"].items() if k != "min_p"})
         specs["ts-empty"] = specs["ts"]
-        for item in args.ts_variant:
-            name, sep, js = item.partition("=")
-            if not sep or not name.strip():
-                raise SystemExit(f"--ts-variant expects NAME=JSON, got {item!r}")
-            try:
-                extra = json.loads(js)
-            except ValueError as e:
-                raise SystemExit(f"--ts-variant {name}: bad JSON: {e}") from None
-            specs[name.strip()] = {**specs["ts"], "tokenswift": {**specs["ts"]["tokenswift"], **extra}}
+        for name, extra in args.ts_variant:
+            specs[name] = {**specs["ts"], "tokenswift": {**specs["ts"]["tokenswift"], **extra}}
         names = args.methods.split(",")
         bad = [n for n in names if n not in specs]
         if bad:

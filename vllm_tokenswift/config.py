@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from vllm_tokenswift import policy as _policy
+
 #: Key under ``vllm_config.additional_config`` that carries the validated settings
 #: from the front end to the worker processes.
 ADDITIONAL_CONFIG_KEY = "tokenswift"
@@ -72,8 +74,8 @@ class PolicyTuning(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    min_gain: float = Field(0.05, ge=0.0, le=1.0)
-    draft_token_cost_prior: float = Field(0.08, ge=0.0, le=1.0)
+    min_gain: float = Field(_policy.MIN_GAIN, ge=0.0, le=1.0)
+    draft_token_cost_prior: float = Field(_policy.CostModel.prior_b, ge=0.0, le=1.0)
     explore_every: int = Field(48, ge=0, le=1_000_000)
     explore_max: int = Field(768, ge=1, le=1_000_000)
     explore_beside_ngram: bool = False

@@ -220,7 +220,7 @@ class TokenSwiftProposer:
         self.heads = None
         self._planner: ViewPlanner | None = None
         self.costs = pol.CostModel(refresh_every=COST_REFRESH_EVERY,
-                                   prior_b=self.cfg.policy_tuning.draft_token_cost_prior)
+                                   prior_b=self.tuning.draft_token_cost_prior)
         self.acceptance = pol.AcceptanceModel(self.num_spec_tokens)
         self.calibration = pol.Calibration(positions=self.num_spec_tokens)
         self._step = 0

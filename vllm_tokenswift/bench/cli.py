@@ -34,14 +34,20 @@ def _ints(s: str) -> list[int]:
     return vals
 
 
-def _method_config(s: str) -> tuple[str, Any]:
+def name_json_arg(s: str) -> tuple[str, Any]:
+    """argparse ``type`` for ``NAME=JSON`` options (``--method-config`` here,
+    ``--ts-variant`` of ``examples/step_trace.py``): ``(NAME, parsed JSON)``.
+
+    Raises:
+        argparse.ArgumentTypeError: no ``=``, an empty name, or bad JSON.
+    """
     name, sep, js = s.partition("=")
     if not sep or not name.strip():
-        raise argparse.ArgumentTypeError("--method-config expects NAME=JSON")
+        raise argparse.ArgumentTypeError(f"expected NAME=JSON, got {s!r}")
     try:
         return name.strip(), json.loads(js)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"--method-config {name}: bad JSON: {e}") from e
+        raise argparse.ArgumentTypeError(f"{name}: bad JSON: {e}") from e
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -89,7 +95,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "a kv_budget in --tokenswift wins")
     p.add_argument("--tokenswift", type=json.loads, default={},
                    help='JSON merged into every variant\'s "tokenswift" settings, e.g. \'{"sink_tokens": 32}\'')
-    p.add_argument("--method-config", type=_method_config, action="append", default=[],
+    p.add_argument("--method-config", type=name_json_arg, action="append", default=[],
                    metavar="NAME=JSON",
                    help="define or override a method's speculative_config ('null' = AR), repeatable")
     p.add_argument("--engine-scope", choices=["method", "setting", "interleave"], default="method",
