@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from vllm_tokenswift.ngram import NGramTable
+from vllm_tokenswift.ngram import NGramTable, _SortedByCount
 
 
 def brute_counts(tokens, n):
@@ -231,3 +231,85 @@ def test_recent_next_tells_a_repeated_phrase_apart_by_the_longer_context():
     assert only8.after_branches[tuple(phrase)] == {70: 12, 90: 12}
     assert only8.recent_next(t.tokens + period[:12] + phrase) == (
         90, pytest.approx((11 + 2 * only8.level_rate(8)) / 25))
+
+
+def _reference_extend(t: NGramTable, new_tokens) -> None:
+    """The per-key rules of NGramTable.extend, one token at a time, each context key
+    sliced from the token list on its own (the implementation before the one-window
+    version; kept as the specification the fast one must reproduce exactly)."""
+    n, L, toks = t.n, t.long_n, t.tokens
+    levels = t.level_record
+
+    def count_branch(branches, key, prev_tok, tok, seen):
+        br = branches.get(key)
+        if br is not None:
+            br[tok] = br.get(tok, 0) + 1
+        elif tok != prev_tok:
+            branches[key] = {prev_tok: seen + 1, tok: 1}
+
+    def rule(d, rec, key, tok, m, branches=None):
+        prev = d.get(key)
+        if prev is not None:
+            seen, hits = rec.get(key, (0, 0))
+            hit = toks[prev] == tok
+            rec[key] = (seen + 1, hits + hit)
+            if branches is not None:
+                count_branch(branches, key, toks[prev], tok, seen)
+            levels[m][0] += 1
+            levels[m][1] += hit
+        d[key] = len(toks)
+
+    for tok in new_tokens:
+        tok = int(tok)
+        if L and len(toks) >= L:
+            rule(t.after, t.after_record, tuple(toks[-L:]), tok, L, t.after_branches)
+            for m, d, rec, br in zip(t.longer_lens, t.longer_after, t.longer_record, t.longer_branches):
+                if len(toks) >= m:
+                    rule(d, rec, hash(tuple(toks[-m:])), tok, m, br)
+        for m, d, rec in zip(t.short_lens, t.short_after, t.short_record):
+            if len(toks) >= m:
+                rule(d, rec, tuple(toks[-m:]), tok, m)
+        toks.append(tok)
+        if len(toks) < n:
+            continue
+        gram = tuple(toks[-n:])
+        c = t.counts.get(gram, 0) + 1
+        t.counts[gram] = c
+        lst = t.by_first.get(gram[0])
+        if lst is None:
+            lst = t.by_first[gram[0]] = _SortedByCount(t.counts)
+        if c == 1:
+            lst.add_new(gram)
+        else:
+            lst.increment(gram, c)
+        ctx = gram[:-1]
+        t.ctx_counts[ctx] = t.ctx_counts.get(ctx, 0) + 1
+        best = t.ctx_best.get(ctx)
+        if best is None or c > best[1] or best[0] == gram[-1]:
+            t.ctx_best[ctx] = (gram[-1], c)
+
+
+def _state(t: NGramTable) -> dict:
+    return {name: getattr(t, name) for name in NGramTable.__slots__ if name != "by_first"} | {
+        "by_first": {k: (v.items, v.pos, v.start) for k, v in t.by_first.items()}}
+
+
+@pytest.mark.parametrize("n, long_n, short", [(4, None, True), (3, 3, True), (5, 0, False), (2, 8, True)])
+def test_extend_reproduces_the_per_key_reference_exactly(n, long_n, short):
+    rng = random.Random(n * 100 + (long_n or 0))
+    loop = [rng.randrange(40) for _ in range(37)]
+    text = [rng.randrange(6) for _ in range(1500)]                   # many short repeats
+    text += loop * 20                                                # an exact loop
+    text += [x if rng.random() > 0.1 else rng.randrange(40) for x in loop * 15]   # a noisy loop
+    fast, ref = NGramTable(n, long_n, short), NGramTable(n, long_n, short)
+    i = 0
+    while i < len(text):                                             # uneven chunks
+        k = rng.choice([1, 1, 3, 8, 64])
+        fast.extend(text[i:i + k])
+        _reference_extend(ref, text[i:i + k])
+        i += k
+    assert _state(fast) == _state(ref)
+    assert len(fast.after_branches) > 0 and sum(len(d) for d in fast.longer_branches) > 0 or not fast.long_n
+    ctx = text[-fast.context_len:]
+    assert fast.recent_next(ctx) == ref.recent_next(ctx)
+    assert fast.short_next(ctx[-3:]) == ref.short_next(ctx[-3:])

@@ -216,6 +216,29 @@ def test_calibration_learns():
     assert cal.prob(1, 1, 0.95) == pytest.approx(0.95)  # never reached
 
 
+
+def test_calibration_chain_cum_is_the_running_product_of_prob_bit_for_bit():
+    """chain_cum inlines prob(); it must give exactly np.cumprod of prob per token (the
+    decision compares these values with thresholds), positions past the last bucket
+    sharing it, confidences 0 and 1 in the end bins."""
+    cal = pol.Calibration(num_bins=10, positions=4, prior_weight=4.0, decay=0.999)
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        n = int(rng.integers(1, 9))
+        src = rng.integers(0, 3, n).tolist()
+        conf = rng.random(n).tolist()
+        cal.update(src, conf, num_verified=n, num_accepted=int(rng.integers(0, n + 1)))
+    for _ in range(50):
+        n = int(rng.integers(0, 9))
+        src = rng.integers(0, 3, n).tolist()
+        conf = [0.0, 1.0, *rng.random(n).tolist()][:n]
+        got = cal.chain_cum(src, conf)
+        want = np.cumprod(np.asarray([cal.prob(s, j, c) for j, (s, c) in enumerate(zip(src, conf))],
+                                     dtype=np.float64))
+        assert got.dtype == np.float64 and got.shape == (n,)
+        assert got.tolist() == want.tolist()
+
+
 def test_cut_length():
     assert pol.cut_length([0.9, 0.5, 0.2], 0.3) == 2
     assert pol.cut_length([0.1], 0.3) == 0

@@ -514,8 +514,16 @@ class Calibration:
         """``cum_j``: the product of :meth:`prob` over the chain's first ``j+1`` tokens
         (``sources``: calibration source keys; ``confs``: the chain selector's
         confidences), float64, length ``min(len(sources), len(confs))``."""
-        return np.cumprod(np.asarray([self.prob(s, j, c) for j, (s, c) in enumerate(zip(sources, confs))],
-                                     dtype=np.float64))
+        reached, accepted, w, nb = self.reached, self.accepted, self.prior_weight, self.num_bins
+        last = self.positions - 1
+        out = []
+        cum = 1.0
+        for j, (s, c) in enumerate(zip(sources, confs)):   # prob() inlined: one dict key per token
+            b = min(nb - 1, max(0, int(c * nb)))
+            k = (s, j if j < last else last, b)
+            cum *= (accepted.get(k, 0.0) + w * ((b + 0.5) / nb)) / (reached.get(k, 0.0) + w)
+            out.append(cum)
+        return np.asarray(out, dtype=np.float64)
 
     def update(self, sources: Sequence[int], confs: Sequence[float], num_verified: int,
                num_accepted: int) -> None:
@@ -591,7 +599,7 @@ def _candidates(rows: Sequence[RowOptions]) -> list:
         for kind in opts:
             if kind == NONE or kind not in row.cums:
                 continue
-            vals = [float(v) for v in row.cums[kind]]
+            vals = np.asarray(row.cums[kind], dtype=np.float64).tolist()   # Python floats
             lst.append((kind, vals, [0.0, *accumulate(vals)]))
         cands.append((row.forced is not None, lst))
     return cands
