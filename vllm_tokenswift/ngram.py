@@ -111,7 +111,7 @@ class NGramTable:
     __slots__ = ("n", "long_n", "tokens", "counts", "ctx_counts", "ctx_best", "by_first", "after",
                  "after_record", "longer_lens", "longer_after", "longer_record", "short_lens",
                  "short_after", "short_record", "level_record", "after_branches",
-                 "longer_branches", "_longer", "_short", "_span")
+                 "longer_branches", "_recent_levels", "_short", "_span")
 
     def __init__(self, n: int = 4, long_n: int | None = None, short: bool = True):
         if n < 2:
@@ -157,11 +157,14 @@ class NGramTable:
         # often "the token after the previous occurrence" came again, whatever the context
         self.level_record: dict[int, list[int]] = {
             m: [0, 0] for m in (*self.longer_lens, *((long_n,) if long_n else ()), *self.short_lens)}
-        # extend()'s loop state, zipped once: per longer context (length, after, record,
-        # branches, level record), per short one (length, after, record, level record),
-        # and the window of last tokens every key is sliced from
-        self._longer = tuple(zip(self.longer_lens, self.longer_after, self.longer_record,
-                                 self.longer_branches, (self.level_record[m] for m in self.longer_lens)))
+        # extend()'s loop state, zipped once: per recent_next context, the long_n one
+        # first (length, after, record, branches, level record, keyed by hash), per short
+        # one (length, after, record, level record), and the window every key is sliced from
+        self._recent_levels = (
+            (((long_n, self.after, self.after_record, self.after_branches, self.level_record[long_n],
+               False),) if long_n else ())
+            + tuple(zip(self.longer_lens, self.longer_after, self.longer_record, self.longer_branches,
+                        (self.level_record[m] for m in self.longer_lens), (True,) * len(self.longer_lens))))
         self._short = tuple(zip(self.short_lens, self.short_after, self.short_record,
                                 (self.level_record[m] for m in self.short_lens)))
         self._span = max(n - 1, long_n, *self.longer_lens, *self.short_lens)
@@ -197,56 +200,36 @@ class NGramTable:
         Raises:
             TypeError, ValueError: a token that ``int()`` does not accept."""
         n = self.n
-        L = self.long_n
         toks = self.tokens
         counts = self.counts
         ctx_counts = self.ctx_counts
         ctx_best = self.ctx_best
         by_first = self.by_first
-        after = self.after
-        record = self.after_record
-        branches = self.after_branches
-        lev_long = self.level_record[L] if L else None
-        longer = self._longer
+        recent = self._recent_levels
         short = self._short
         span = self._span
         c1 = n - 1
         i = len(toks)
         for t in map(int, new_tokens):
             w = tuple(toks[-span:]) if i else ()
-            if L and i >= L:
-                key = w[-L:]
-                prev = after.get(key)
+            for m, d, rec, brs, lev, hashed in recent:
+                if i < m:
+                    continue
+                key = hash(w[-m:]) if hashed else w[-m:]
+                prev = d.get(key)
                 if prev is not None:
                     pt = toks[prev]
                     hit = pt == t
-                    seen, hits = record.get(key, (0, 0))
-                    record[key] = (seen + 1, hits + hit)
-                    br = branches.get(key)
+                    seen, hits = rec.get(key, (0, 0))
+                    rec[key] = (seen + 1, hits + hit)
+                    br = brs.get(key)
                     if br is not None:
                         br[t] = br.get(t, 0) + 1
                     elif not hit:
-                        branches[key] = {pt: seen + 1, t: 1}
-                    lev_long[0] += 1
-                    lev_long[1] += hit
-                after[key] = i   # the token appended now follows them
-                for m, d, rec, brs, lev in longer:
-                    if i >= m:
-                        h = hash(w[-m:])
-                        prev = d.get(h)
-                        if prev is not None:
-                            pt = toks[prev]
-                            hit = pt == t
-                            seen, hits = rec.get(h, (0, 0))
-                            rec[h] = (seen + 1, hits + hit)
-                            br = brs.get(h)
-                            if br is not None:
-                                br[t] = br.get(t, 0) + 1
-                            elif not hit:
-                                brs[h] = {pt: seen + 1, t: 1}
-                            lev[0] += 1
-                            lev[1] += hit
-                        d[h] = i
+                        brs[key] = {pt: seen + 1, t: 1}
+                    lev[0] += 1
+                    lev[1] += hit
+                d[key] = i   # the token appended now follows them
             for m, d, rec, lev in short:
                 if i >= m:
                     key = w[-m:]
