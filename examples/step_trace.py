@@ -155,9 +155,13 @@ def _take(worker):
     return out
 
 
-def _summary(name: str, wall: float, steps: list[dict]) -> str:
+def _summary(name: str, wall: float, steps: list[dict], first: dict | None = None) -> str:
     ms = 1000.0
     lines = [f"== {name}: wall {wall:.1f} s, {len(steps)} steps"]
+    if first:
+        lines.append(f"  first step (prefill): {first['tok']} tokens, exec {first['exec'] * ms:.1f} ms, "
+                     f"sample {(first.get('sample', 0.0) - first.get('prop', 0.0)) * ms:.1f} ms, "
+                     f"proposer {first.get('prop', 0.0) * ms:.1f} ms")
     groups = collections.defaultdict(list)
     for s in steps:
         key = "".join(c for c in "FUN" if s.get(c)) or ("none" if "F" in s else "-")
@@ -209,7 +213,7 @@ def main() -> None:
         for name, runs in records.items():
             for run in runs:
                 label = name if len(runs) == 1 else f"{name} (round {run.get('round', 0)})"
-                print(_summary(label, run["wall_s"], run["steps"]))
+                print(_summary(label, run["wall_s"], run["steps"], run.get("first")))
         if any(len(runs) > 1 for runs in records.values()):
             print(_by_quarter(records))
         print(_by_width(records, a["batch_size"], a["k"]))
@@ -270,10 +274,12 @@ def main() -> None:
                 t = time.perf_counter()
                 llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
                 wall = time.perf_counter() - t
-                steps = llm.collective_rpc(_take)[0][1:]    # the first step's gap reaches back to the warm-up
-                records[name].append({"round": rnd, "wall_s": wall, "steps": steps})
+                taken = llm.collective_rpc(_take)[0]
+                steps = taken[1:]    # the first step's gap reaches back to the warm-up
+                first = dict(taken[0], gap=0.0) if taken else None    # the prefill step
+                records[name].append({"round": rnd, "wall_s": wall, "steps": steps, "first": first})
                 label = name if args.rounds == 1 else f"{name} (round {rnd})"
-                print(_summary(label, wall, steps), file=out, flush=True)
+                print(_summary(label, wall, steps, first), file=out, flush=True)
                 if args.rounds == 1:
                     teardown_engine(llm)
         if args.rounds > 1:

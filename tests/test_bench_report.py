@@ -598,6 +598,30 @@ def test_paired_speedup_uses_the_ar_run_of_the_same_round():
     assert rows["tokenswift"]["speedup_median"] == pytest.approx(1.1)   # median of 1.1, 1.2, 1.067
 
 
+def test_decode_speedup_pairs_the_decode_phase_like_the_speedup():
+    # a tie on the whole run, decided by the prefill: TokenSwift's decode is ahead
+    recs = [_rec("ar", 100.0, rep=0, paired_speedup=True, decode_tokens_per_s=120.0),
+            _rec("ar", 50.0, rep=1, paired_speedup=True, decode_tokens_per_s=60.0),
+            _rec("tokenswift", 110.0, rep=0, paired_speedup=True, decode_tokens_per_s=150.0),
+            _rec("tokenswift", 55.0, rep=1, paired_speedup=True, decode_tokens_per_s=66.0),
+            _rec("suffix", 110.0, rep=0, paired_speedup=True, decode_tokens_per_s=144.0),
+            _rec("ngram", 150.0, rep=0),                      # no decode figure: None
+            _rec("ngram", 90.0, rep=0, sampling="paper", decode_tokens_per_s=90.0)]   # no AR: None
+    report.compute_speedups(recs)
+    assert [r["decode_speedup_vs_ar"] for r in recs[:5]] == pytest.approx([1.0, 1.0, 1.25, 1.1, 1.2])
+    assert recs[5]["decode_speedup_vs_ar"] is None and recs[5]["speedup_vs_ar"] == pytest.approx(2.0)
+    assert recs[6]["decode_speedup_vs_ar"] is None
+    rows = {r["method"]: r for r in report.summarize(recs) if r["sampling"] == "greedy"}
+    assert rows["tokenswift"]["speedup_median"] == pytest.approx(1.1)
+    assert rows["tokenswift"]["decode_speedup_median"] == pytest.approx(1.175)
+    assert rows["ngram"]["decode_speedup_median"] is None
+    lines = report.markdown_table(list(rows.values())).splitlines()
+    col = dict(zip(report.SUMMARY_COLUMNS, [c.strip() for c in lines[3].strip("|").split("|")]))
+    assert (col["method"], col["speedup med"], col["decode speedup med"]) == ("tokenswift", "1.10", "1.18")
+    col = dict(zip(report.SUMMARY_COLUMNS, [c.strip() for c in lines[5].strip("|").split("|")]))
+    assert (col["method"], col["speedup med"], col["decode speedup med"]) == ("ngram", "2.00", "–")
+
+
 def _fake_engines(monkeypatch, log):
     """Replace the harness' engine functions by fakes that log what runs when."""
     class Fake:

@@ -19,6 +19,12 @@ A *record* is one timed run of one method in one setting (a ``dict``). Keys
   Records with ``paired_speedup`` true (``bench --interleave``: runs alternate method
   by method, round by round) are divided by the AR run of the same round (``repeat``)
   instead, when that run succeeded.
+* ``decode_speedup_vs_ar``: the same ratio of ``decode_tokens_per_s`` (the tokens
+  after each output's first over the time after the last first token), paired the same
+  way: the decode phase alone. The prefill is the same work for every method (same
+  prompts, same target), yet its time moves by several percent from one engine instance
+  to another (at batch 8, 1K tokens on the CPU, a quarter of the wall time: a TTFT of
+  36-39 s in one invocation), enough to decide a tie in ``speedup_vs_ar``.
 * ``acceptance_rate``: α (paper Eq. 4) ``= accepted / (num_spec_tokens * drafts)``.
 * ``mean_accepted_length``: ``1 + accepted / drafts`` tokens per step (bonus included).
 * ``ngram_acceptance``: β (Eq. 6) from the TokenSwift plugin, else ``None``.
@@ -50,7 +56,7 @@ from typing import Any, Iterable, Sequence
 #: Columns of results.csv, in order (records may carry more keys; JSON keeps all).
 RECORD_FIELDS: list[str] = [
     "method", "gen_len", "batch_size", "sampling", "repeat", "engine", "status",
-    "tokens_per_s", "latency_per_token_ms", "speedup_vs_ar",
+    "tokens_per_s", "latency_per_token_ms", "speedup_vs_ar", "decode_speedup_vs_ar",
     "acceptance_rate", "mean_accepted_length", "ngram_acceptance", "draft_time_share",
     "identical_to_ar", "distinct_1", "distinct_2", "distinct_3", "distinct_4",
     "num_tokens", "wall_s", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
@@ -62,7 +68,7 @@ RECORD_FIELDS: list[str] = [
 #: Columns of the markdown summary table.
 SUMMARY_COLUMNS: list[str] = [
     "method", "sampling", "batch", "gen_len", "repeats", "tok/s med", "tok/s min",
-    "ms/tok med", "ms/tok min", "speedup med", "alpha", "mean acc len", "beta",
+    "ms/tok med", "ms/tok min", "speedup med", "decode speedup med", "alpha", "mean acc len", "beta",
     "draft share", "decision mix % fwd/fused/ngram/none", "identical to AR", "distinct-1", "distinct-2", "distinct-3", "distinct-4",
     "note",
 ]
@@ -283,25 +289,28 @@ def _min(vals: Iterable[Any]) -> float | None:
 
 def compute_speedups(records: list[dict]) -> list[dict]:
     """Fill ``speedup_vs_ar`` in place: method tokens/s ÷ median AR tokens/s of the
-    same (gen_len, batch_size, sampling) (= AR latency / method latency, paper Eq. 5).
+    same (gen_len, batch_size, sampling) (= AR latency / method latency, paper Eq. 5),
+    and ``decode_speedup_vs_ar``: the same for ``decode_tokens_per_s`` (the decode phase
+    alone, after the first token; ``None`` where either side lacks it).
 
     A record with ``paired_speedup`` true (interleaved runs) is divided by the AR run of
     the same setting and ``repeat`` (its round) when that one succeeded, else by the
     median. ``None`` where no AR run of that setting succeeded. Returns ``records``.
     """
-    ar: dict[tuple, list[float]] = defaultdict(list)
-    ar_round: dict[tuple, float] = {}
-    for r in records:
-        if r.get("method") == "ar" and _ok(r):
+    for field, out in (("tokens_per_s", "speedup_vs_ar"), ("decode_tokens_per_s", "decode_speedup_vs_ar")):
+        ar: dict[tuple, list[float]] = defaultdict(list)
+        ar_round: dict[tuple, float] = {}
+        for r in records:
+            if r.get("method") == "ar" and _ok(r) and r.get(field):
+                key = tuple(r.get(k) for k in _SETTING)
+                ar[key].append(r[field])
+                ar_round[key + (r.get("repeat"),)] = r[field]
+        for r in records:
             key = tuple(r.get(k) for k in _SETTING)
-            ar[key].append(r["tokens_per_s"])
-            ar_round[key + (r.get("repeat"),)] = r["tokens_per_s"]
-    for r in records:
-        key = tuple(r.get(k) for k in _SETTING)
-        base = ar_round.get(key + (r.get("repeat"),)) if r.get("paired_speedup") else None
-        if not base:
-            base = _median(ar.get(key, []))
-        r["speedup_vs_ar"] = (r["tokens_per_s"] / base) if (base and _ok(r)) else None
+            base = ar_round.get(key + (r.get("repeat"),)) if r.get("paired_speedup") else None
+            if not base:
+                base = _median(ar.get(key, []))
+            r[out] = (r[field] / base) if (base and _ok(r) and r.get(field)) else None
     return records
 
 
@@ -314,6 +323,7 @@ def summarize(records: list[dict]) -> list[dict]:
 
     Keys: ``method, sampling, batch_size, gen_len, repeats`` (successful runs),
     ``tokens_per_s_median/min``, ``latency_ms_median/min``, ``speedup_median``,
+    ``decode_speedup_median``,
     ``acceptance_rate``, ``mean_accepted_length``, ``ngram_acceptance``,
     ``draft_time_share``, ``distinct_1..4`` (medians), ``identical_to_ar`` (all
     repeats identical; ``None`` when not applicable), ``steps_by_kind`` and
@@ -340,6 +350,7 @@ def summarize(records: list[dict]) -> list[dict]:
             "latency_ms_median": _median(r.get("latency_per_token_ms") for r in ok),
             "latency_ms_min": _min(r.get("latency_per_token_ms") for r in ok),
             "speedup_median": _median(r.get("speedup_vs_ar") for r in ok),
+            "decode_speedup_median": _median(r.get("decode_speedup_vs_ar") for r in ok),
             "identical_to_ar": (all(ident) if ident else None),
             "note": "; ".join(notes),
             # summed over repeats (counts), not medians
@@ -429,6 +440,7 @@ def markdown_table(rows: list[dict]) -> str:
                  _fmt(r["speedup_median"], 2),
                  *([" / ".join(_fmt(v, 3) for v in r.get("speedup_by_engine") or []) or "–"]
                    if per_engine else []),
+                 _fmt(r.get("decode_speedup_median"), 2),
                  _fmt(r["acceptance_rate"], 3),
                  _fmt(r["mean_accepted_length"], 2), _fmt(r["ngram_acceptance"], 3),
                  _fmt(r["draft_time_share"], 2), _fmt(format_decision_mix(r.get("steps_by_kind"))),
@@ -451,7 +463,10 @@ def write_markdown(records: list[dict], path: str, meta: dict | None = None) -> 
         out.append("")
     out += ["Medians over repeats (`tok/s min` = slowest repeat, `ms/tok min` = fastest). "
             "speedup = method tok/s ÷ AR tok/s of the same gen_len/batch/sampling "
-            "(= AR latency / method latency, paper Eq. 5). alpha = accepted / "
+            "(= AR latency / method latency, paper Eq. 5); decode speedup = the same for the "
+            "decode phase alone (tokens after the first ÷ time after the first token): the "
+            "prefill is the same work for every method but its time varies between engine "
+            "instances. alpha = accepted / "
             "(num_speculative_tokens × drafts) (Eq. 4); mean acc len = 1 + accepted / drafts; "
             "beta = n-gram acceptance (Eq. 6, TokenSwift plugin only); decision mix = share of "
             "request-steps by the drafting policy's choice (draft forward / fused heads / n-gram "
