@@ -41,8 +41,14 @@ import os
 import numpy as np
 
 
-def replay_tokenswift(prompt: list[int], out: list[int], k: int, costs: dict) -> dict:
+def replay_tokenswift(prompt: list[int], out: list[int], k: int, costs: dict,
+                      calibration=None) -> dict:
     """TokenSwift's n-gram drafting replayed over ``prompt + out`` (greedy, one request).
+
+    As the proposer does, a step whose drafts were all accepted (or that drafted none)
+    books whether the chain's first token past the cut would have been accepted
+    (``Calibration.observe``). ``calibration``: start from this one (default: a fresh
+    ``Calibration(positions=k)``, as the proposer's; it is updated in place).
 
     Returns:
         ``{"steps", "drafted", "accepted", "ms", "steps_at"}``: engine steps after the
@@ -57,7 +63,7 @@ def replay_tokenswift(prompt: list[int], out: list[int], k: int, costs: dict) ->
 
     seq = list(prompt) + list(out)
     table = NGramTable(4)
-    calib = pol.Calibration()
+    calib = calibration if calibration is not None else pol.Calibration(positions=k)
     p = len(prompt)                 # the prefill samples seq[p]; the first proposer call sees it
     table.extend(seq[: p + 1])
     plain_window: list[int] = []    # the cost model's window of draft-free steps (for the probe)
@@ -77,6 +83,9 @@ def replay_tokenswift(prompt: list[int], out: list[int], k: int, costs: dict) ->
         acc = _accepted(seq, p, toks)
         if toks:
             calib.update(_calibration_keys(ch.sources[:n], False), ch.confs[:n], n, acc)
+        if acc == n < len(ch.tokens):    # the output tells the token past the cut
+            calib.observe(_calibration_keys(ch.sources[n:n + 1], False)[0], n, ch.confs[n],
+                          seq[p + 1 + n] == ch.tokens[n])
         plain_window = (plain_window + [int(not toks)])[-64:]
         _charge(res, costs, len(toks), acc)
         table.extend(seq[p + 1: p + 2 + acc])

@@ -39,3 +39,33 @@ def test_greedy_verification_stops_at_the_first_mismatch(replay):
     assert replay._accepted(seq, 1, [3, 4, 9, 6]) == 2
     assert replay._accepted(seq, 1, [9]) == 0
     assert replay._accepted(seq, 0, []) == 0
+
+
+def test_a_position_estimated_below_the_cut_recovers_on_a_loop(replay, monkeypatch):
+    """The exploration trap of the calibration, replayed: positions 1.. start at an
+    acceptance of 0.5 (as after text that did not repeat) and a draft token costs 12 ms
+    against a 32 ms step (batch 8 on the CPU), so chains are cut after one token. On an
+    exact loop, the token past the cut, observed from each step's output, raises the
+    estimates until the chains grow: the last 180 tokens take at most 45 steps (4 tokens
+    per step or more). Without the observation (``Calibration.observe`` a no-op, the
+    behaviour before) the cut never moves: every step yields exactly 2 tokens."""
+    from vllm_tokenswift import policy as pol
+    from vllm_tokenswift.chain import SOURCE_NGRAM
+
+    def seeded(k):
+        c = pol.Calibration(positions=k)
+        for b in range(c.num_bins):
+            c.reached[(SOURCE_NGRAM, 0, b)], c.accepted[(SOURCE_NGRAM, 0, b)] = 50.0, 45.0
+            for j in range(1, k):
+                c.reached[(SOURCE_NGRAM, j, b)], c.accepted[(SOURCE_NGRAM, j, b)] = 50.0, 25.0
+        return c
+
+    rng = random.Random(0)
+    prompt = [rng.randrange(100, 200) for _ in range(50)]
+    out = [rng.randrange(3, 60) for _ in range(20)] * 60
+    costs = {"a": 32.0, "g": 0.0, "b": 12.0}
+    r = replay.replay_tokenswift(prompt, out, 8, costs, calibration=seeded(8))
+    assert r["steps_at"][-1] - r["steps_at"][-181] <= 45
+    monkeypatch.setattr(pol.Calibration, "observe", lambda *a, **k: None)
+    r = replay.replay_tokenswift(prompt, out, 8, costs, calibration=seeded(8))
+    assert r["steps_at"][-1] - r["steps_at"][-181] == 90

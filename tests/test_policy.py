@@ -217,6 +217,20 @@ def test_calibration_learns():
 
 
 
+def test_calibration_observe_books_one_unverified_token():
+    """observe() books one token at its own (source, position, bin), decayed like
+    update(), and nothing else; it moves a position that update() never reaches."""
+    cal = pol.Calibration(num_bins=10, positions=4, prior_weight=4.0, decay=0.5)
+    cal.update([1, 1], [0.95, 0.95], num_verified=2, num_accepted=2)
+    assert (cal.reached, cal.accepted) == ({(1, 0, 9): 1.0, (1, 1, 9): 1.0}, {(1, 0, 9): 1.0, (1, 1, 9): 1.0})
+    cal.observe(1, 2, 0.95, accepted=True)
+    cal.observe(1, 1, 0.95, accepted=False)
+    cal.observe(11, 6, 0.31, accepted=True)          # past the last position bucket: shares it
+    assert cal.reached == {(1, 0, 9): 1.0, (1, 1, 9): 1.5, (1, 2, 9): 1.0, (11, 3, 3): 1.0}
+    assert cal.accepted == {(1, 0, 9): 1.0, (1, 1, 9): 0.5, (1, 2, 9): 1.0, (11, 3, 3): 1.0}
+    assert cal.prob(1, 1, 0.95) == pytest.approx((0.5 + 4 * 0.95) / (1.5 + 4))
+
+
 def test_calibration_chain_cum_is_the_running_product_of_prob_bit_for_bit():
     """chain_cum inlines prob(); it must give exactly np.cumprod of prob per token (the
     decision compares these values with thresholds), positions past the last bucket

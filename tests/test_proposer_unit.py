@@ -318,3 +318,70 @@ def test_a_choice_made_alongside_a_forced_try_backs_off_like_a_try():
     assert st.explore_gap == 4 * EXPLORE_EVERY
     st.took(pol.FORWARD, forced=False, tuning=PolicyTuning())
     assert st.explore_gap == EXPLORE_EVERY
+
+
+def test_the_token_past_the_cut_is_observed_when_the_output_tells_it():
+    """_cut keeps the chain's first token past the cut; the hand-over books it (with the
+    request's calibration key) for a greedy request whatever its source, and for a
+    sampled one only an n-gram token (a point mass); a row that drafted nothing
+    offers its n-gram chain's first token. _account observes it iff every draft proposed
+    was verified and accepted: accepted iff the bonus token equals it."""
+    from vllm_tokenswift import policy as pol
+    from vllm_tokenswift.chain import SOURCE_FUSED, SOURCE_NGRAM, Chain
+    from vllm_tokenswift.proposer import _Proposal
+
+    prop = _proposer(policy="adaptive")
+    prop.calibration = pol.Calibration(positions=4, decay=1.0)
+    prop.stats = SimpleNamespace(record_verification=lambda *a: None)
+    greedy = prop._new_state(SimpleNamespace(requests={"g": SimpleNamespace(sampling_params=SimpleNamespace(
+        temperature=0.0, min_p=0.0, repetition_penalty=1.0, extra_args=None, seed=None))}), "g")
+    sampled = prop._new_state(_runner(s=1), "s")
+    conf = [0.95, 0.95, 0.55, 0.95]
+
+    def row(st, chain=None, room=4):
+        r = _Row(0, "x", st, pos=10, room=room, context=[1, 2])
+        r.ngram = chain
+        return r
+
+    cum = np.asarray([0.9, 0.8, 0.2, 0.1])      # cut at 2 by threshold 0.5
+    r = row(greedy)
+    ch = prop._cut(Chain([5, 6, 7, 8], [SOURCE_FUSED] * 4, 0.0, list(conf)), r, 0.5, cum)
+    assert ch.tokens == [5, 6] and r.past_cut == (7, SOURCE_FUSED, 0.55)
+    assert prop._observable_past_cut(r, pol.FUSED) == (7, SOURCE_FUSED, 0.55)
+    r2 = row(sampled)
+    prop._cut(Chain([5, 6, 7, 8], [SOURCE_FUSED] * 4, 0.0, list(conf)), r2, 0.5, cum)
+    assert prop._observable_past_cut(r2, pol.FUSED) is None          # drawn from q
+    r2 = row(sampled)                                                  # drawn, then an n-gram extension
+    prop._cut(Chain([5, 6, 7, 8], [SOURCE_FUSED] * 2 + [SOURCE_NGRAM] * 2, 0.0, list(conf)), r2, 0.5, cum)
+    assert prop._observable_past_cut(r2, pol.FUSED) == (7, SOURCE_NGRAM + 10, 0.55)
+    r3 = row(sampled, Chain([5, 6, 7, 8], [SOURCE_NGRAM] * 4, 0.0, list(conf)))
+    prop._cut(r3.ngram, r3, 0.5, cum)
+    assert prop._observable_past_cut(r3, pol.NGRAM) == (7, SOURCE_NGRAM + 10, 0.55)
+    r4 = row(greedy, Chain([5, 6], [SOURCE_NGRAM] * 2, 0.0, [0.95, 0.95]))
+    prop._cut(r4.ngram, r4, -1.0)                                      # kept whole: nothing past it
+    assert r4.past_cut is None and prop._observable_past_cut(r4, pol.NGRAM) is None
+    r5 = row(greedy, Chain([9, 6], [SOURCE_NGRAM] * 2, 0.0, [0.35, 0.95]))   # the decision was "none"
+    assert prop._observable_past_cut(r5, pol.NONE) == (9, SOURCE_NGRAM, 0.35)
+    r6 = row(greedy, Chain([5, 6, 7], [SOURCE_NGRAM] * 3, 0.0, [0.95] * 3), room=2)
+    prop._cut(r6.ngram, r6, 0.0)                                       # cut by the room
+    assert r6.past_cut == (7, SOURCE_NGRAM, 0.95)
+
+    def booked(last, k, a, tokens):
+        prop.calibration.reached.clear()
+        prop.calibration.accepted.clear()
+        greedy.last = last
+        prop._account(greedy, k, a, tokens)
+        return dict(prop.calibration.reached), dict(prop.calibration.accepted)
+
+    two = _Proposal(pol.NGRAM, [SOURCE_NGRAM] * 2, [0.95, 0.95], next=(7, SOURCE_NGRAM, 0.55))
+    both = {(SOURCE_NGRAM, 0, 9): 1.0, (SOURCE_NGRAM, 1, 9): 1.0}
+    assert booked(two, 2, 2, [5, 6, 7]) == ({**both, (SOURCE_NGRAM, 2, 5): 1.0}, {**both, (SOURCE_NGRAM, 2, 5): 1.0})
+    assert booked(two, 2, 2, [5, 6, 4]) == ({**both, (SOURCE_NGRAM, 2, 5): 1.0}, {**both, (SOURCE_NGRAM, 2, 5): 0.0})
+    reached, _ = booked(two, 2, 1, [5, 4])                       # a rejection: the output diverged
+    assert (SOURCE_NGRAM, 2, 5) not in reached
+    reached, _ = booked(two, 1, 1, [5, 7])                       # the scheduler verified fewer
+    assert (SOURCE_NGRAM, 2, 5) not in reached and (SOURCE_NGRAM, 1, 5) not in reached
+    none = _Proposal(pol.NONE, [], [], next=(9, SOURCE_NGRAM, 0.35))
+    assert booked(none, 0, 0, [9]) == ({(SOURCE_NGRAM, 0, 3): 1.0}, {(SOURCE_NGRAM, 0, 3): 1.0})
+    assert booked(_Proposal(pol.NONE, [], []), 0, 0, [9]) == ({}, {})
+    assert booked(two, 2, 2, None)[0] == both                      # no tokens given: as before

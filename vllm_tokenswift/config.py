@@ -70,6 +70,12 @@ class PolicyTuning(BaseModel):
             (its own positions all accepted). Off by default: such a try can only lose
             the step's n-gram yield (greedy 6K on SmolLM2: 18-24 fused-heads tries per
             run accepting 0.9 tokens each, where an n-gram step accepted 7.46).
+        observe_past_cut: book in the calibration whether each chain's first token past
+            the cut would have been accepted, as the step's output tells it for free
+            (``policy.Calibration.observe``). Off: only verified tokens are booked, as
+            before, and a position whose estimate fell below the cut is never examined
+            again (replayed on a looping greedy output at batch-8 costs: chains cut after
+            one token for 500+ tokens).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -79,6 +85,7 @@ class PolicyTuning(BaseModel):
     explore_every: int = Field(48, ge=0, le=1_000_000)
     explore_max: int = Field(768, ge=1, le=1_000_000)
     explore_beside_ngram: bool = False
+    observe_past_cut: bool = True
 
     @model_validator(mode="after")
     def _gap_order(self) -> "PolicyTuning":

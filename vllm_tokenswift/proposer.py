@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from vllm_tokenswift import policy as pol
-from vllm_tokenswift.chain import (SOURCE_FUSED, SOURCE_HEADS, Chain, build_chain,
+from vllm_tokenswift.chain import (SOURCE_FUSED, SOURCE_HEADS, SOURCE_NGRAM, Chain, build_chain,
                                    extend_chain, ngram_chain, select_chain)
 from vllm_tokenswift.config import (ADDITIONAL_CONFIG_KEY, PolicyTuning, TokenSwiftConfig,
                                     TokenSwiftConfigError)
@@ -102,6 +102,10 @@ class _Proposal:
     sources: list = field(default_factory=list)
     confs: list = field(default_factory=list)
     span: int = 0        # draft forward / fused heads: the positions the option could draft
+    #: (token, calibration source key, confidence) of the chain's first token past the
+    #: cut, when the output tells whether it would have been accepted
+    #: (:meth:`policy.Calibration.observe`); None otherwise
+    next: tuple | None = None
 
 
 @dataclass
@@ -166,6 +170,7 @@ class _Row:
     ngram: Chain | None = None
     verify_index: int = -1    # flat token index of h_{p-1} in this step's verification forward
     forced: bool = False      # the policy must give this row at least one draft (exploration)
+    past_cut: tuple | None = None   # (token, source, conf) of the chain's first token past the cut
 
 
 class TokenSwiftProposer:
@@ -404,7 +409,7 @@ class TokenSwiftProposer:
             else:
                 n_decode += 1
                 n_draft += k
-                self._account(st, k, a)
+                self._account(st, k, a, s)
             st.last = _Proposal()
             st.steps += 1
             if st.ngrams is not None:
@@ -425,9 +430,21 @@ class TokenSwiftProposer:
             self.costs.observe_step((t0 - self._last_end) + self._last_overhead, n_decode, n_draft)
         return rows
 
-    def _account(self, st: _RequestState, num_verified: int, num_accepted: int) -> None:
-        """Book last step's proposal of ``st`` as verified (acceptance per source/option)."""
+    def _account(self, st: _RequestState, num_verified: int, num_accepted: int,
+                 tokens=None) -> None:
+        """Book last step's proposal of ``st`` as verified (acceptance per source/option).
+
+        ``tokens``: what the step sampled for the request (the accepted drafts, then the
+        bonus token). When every draft proposed was verified and accepted (none proposed
+        included), the bonus token tells whether the chain's first token past the cut
+        would have been accepted too: that is booked in the calibration as an
+        observation of its own (:meth:`policy.Calibration.observe`)."""
         last = st.last
+        nxt = last.next
+        if (nxt is not None and tokens is not None and self.tuning.observe_past_cut
+                and num_verified == len(last.sources)
+                and num_accepted == num_verified and len(tokens) > num_accepted):
+            self.calibration.observe(nxt[1], num_verified, nxt[2], int(tokens[num_accepted]) == nxt[0])
         st.all_accepted = num_verified >= self.num_spec_tokens and num_accepted >= num_verified
         self.stats.record_verification(last.sources, num_verified, num_accepted,
                                        last.kind if last.sources else None)
@@ -500,7 +517,7 @@ class TokenSwiftProposer:
                 toks, srcs, confs = ch.tokens[: r.room], ch.sources[: r.room], ch.confs[: r.room]
             out[r.batch_row] = toks
             st = r.state
-            st.last = _Proposal(kind, list(srcs), list(confs), span)
+            st.last = _Proposal(kind, list(srcs), list(confs), span, self._observable_past_cut(r, kind))
             st.took(kind, r.forced, alongside_forced=any_forced and not r.forced, tuning=self.tuning)
             self.stats.record_chain(list(srcs), kind)
             if kind in (pol.FUSED, pol.NGRAM):
@@ -508,6 +525,24 @@ class TokenSwiftProposer:
             any_sampled |= j in q_rows and bool(toks)
         if any_sampled:
             self._set_draft_probs(runner, rows, out, q_rows, runner.device, self.vocab_size)
+
+    def _observable_past_cut(self, r: _Row, kind: str) -> tuple | None:
+        """The ``_Proposal.next`` of row ``r``: its chain's first token past the cut (for
+        a row without a chain, the first token of its n-gram chain) as ``(token,
+        calibration source key, confidence)``, when the step's output tells whether it
+        would have been accepted: any token of a greedy request; for a sampled request
+        only an n-gram token, which is handed over as a point mass (a token drawn from q
+        is accepted with min(1, p/q), not with the probability that the target samples
+        it)."""
+        nxt = r.past_cut
+        if nxt is None and kind == pol.NONE and r.ngram is not None and r.ngram.tokens:
+            nxt = (r.ngram.tokens[0], r.ngram.sources[0], r.ngram.confs[0])
+        if nxt is None:
+            return None
+        sampled = r.state.sampled
+        if sampled and nxt[1] != SOURCE_NGRAM:
+            return None
+        return nxt[0], _calibration_keys((nxt[1],), sampled)[0], nxt[2]
 
     def _row_options(self, r: _Row, has_fused: bool) -> pol.RowOptions:
         """Per available option, the estimated cumulative acceptance of its chain."""
@@ -558,12 +593,13 @@ class TokenSwiftProposer:
         property of q (its largest probability), not of the drawn token; point-mass
         tokens (greedy, n-grams) are deterministic functions of their prefix, so their
         own confidence may decide."""
+        keep = min(len(ch.tokens), r.room)
         if threshold >= 0 and ch.tokens:
             if cum is None:
                 cum = self._calibrated_cum(ch, r.state.sampled)
-            n = pol.cut_length(cum, threshold)
-            ch.truncate(max(n, 1 if r.forced else 0))
-        return ch.truncate(min(len(ch.tokens), r.room))
+            keep = min(keep, max(pol.cut_length(cum, threshold), 1 if r.forced else 0))
+        r.past_cut = (ch.tokens[keep], ch.sources[keep], ch.confs[keep]) if keep < len(ch.tokens) else None
+        return ch.truncate(keep)
 
     # ----------------------------------------------------------------- fused heads
     def _draft_fused(self, runner, rows, idx, chains, q_rows, threshold) -> None:
