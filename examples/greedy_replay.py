@@ -42,13 +42,16 @@ import numpy as np
 
 
 def replay_tokenswift(prompt: list[int], out: list[int], k: int, costs: dict,
-                      calibration=None) -> dict:
+                      calibration=None, observe_past_cut: bool = True, charge: dict | None = None) -> dict:
     """TokenSwift's n-gram drafting replayed over ``prompt + out`` (greedy, one request).
 
     As the proposer does, a step whose drafts were all accepted (or that drafted none)
     books whether the chain's first token past the cut would have been accepted
-    (``Calibration.observe``). ``calibration``: start from this one (default: a fresh
-    ``Calibration(positions=k)``, as the proposer's; it is updated in place).
+    (``Calibration.observe``; ``observe_past_cut=False``: not, as the proposer with
+    ``policy_tuning.observe_past_cut`` false). ``calibration``: start from this one
+    (default: a fresh ``Calibration(positions=k)``, as the proposer's; it is updated in
+    place). ``charge``: the costs each step is charged (default ``costs``, the ones the
+    policy decides with): a policy that misprices a draft token, replayed.
 
     Returns:
         ``{"steps", "drafted", "accepted", "ms", "steps_at"}``: engine steps after the
@@ -83,11 +86,11 @@ def replay_tokenswift(prompt: list[int], out: list[int], k: int, costs: dict,
         acc = _accepted(seq, p, toks)
         if toks:
             calib.update(_calibration_keys(ch.sources[:n], False), ch.confs[:n], n, acc)
-        if acc == n < len(ch.tokens):    # the output tells the token past the cut
+        if observe_past_cut and acc == n < len(ch.tokens):    # the output tells the token past the cut
             calib.observe(_calibration_keys(ch.sources[n:n + 1], False)[0], n, ch.confs[n],
                           seq[p + 1 + n] == ch.tokens[n])
         plain_window = (plain_window + [int(not toks)])[-64:]
-        _charge(res, costs, len(toks), acc)
+        _charge(res, charge or costs, len(toks), acc)
         table.extend(seq[p + 1: p + 2 + acc])
         p += acc + 1
         res["steps_at"].extend([res["steps"]] * (acc + 1))
@@ -203,13 +206,21 @@ def main() -> None:
     ap.add_argument("--lengths", default="1024,2048", help="output prefixes to replay")
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     ap.add_argument("--costs", default="35,0.5,3.0", help="a,g,b in ms (plain step, drafting step's extra, per draft token)")
+    ap.add_argument("--decide-costs", default=None, metavar="A,G,B",
+                    help="the costs TokenSwift's policy decides with, in ms (default: --costs, which every step is charged)")
+    ap.add_argument("--no-observe-past-cut", action="store_true",
+                    help="as policy_tuning.observe_past_cut false: the calibration books verified tokens only")
     ap.add_argument("--plot", default=None, metavar="PNG", help="steps against generated tokens (first sequence)")
     args = ap.parse_args()
     if args.generate:
         _generate(args.tokens, args.generate, args.prefix_len, args.num_prompts, args.bench_prompt, args.model)
     seqs = load_sequences(args.tokens)
-    a, g, b = (float(x) for x in args.costs.split(","))
-    costs = {"a": a, "g": g, "b": b, "f0": a, "f1": 0.0, "h0": a, "h1": 0.0}
+    def parse_costs(text):
+        a, g, b = (float(x) for x in text.split(","))
+        return {"a": a, "g": g, "b": b, "f0": a, "f1": 0.0, "h0": a, "h1": 0.0}
+
+    costs = parse_costs(args.costs)
+    decide = parse_costs(args.decide_costs) if args.decide_costs else costs
     lengths = sorted({int(x) for x in args.lengths.split(",")})
     print(f"{len(seqs)} sequence(s); sums over them")
     print(f"{'tokens':>7} {'method':<11} {'steps':>6} {'drafted':>8} {'accepted':>9} {'model s':>8}  suffix/TS time")
@@ -218,7 +229,8 @@ def main() -> None:
         tot = {"tokenswift": None, "suffix": None}
         for i, sq in enumerate(seqs):
             out = sq["out"][:n]
-            rs = {"tokenswift": replay_tokenswift(sq["prompt"], out, args.k, costs)}
+            rs = {"tokenswift": replay_tokenswift(sq["prompt"], out, args.k, decide, charge=costs,
+                                                  observe_past_cut=not args.no_observe_past_cut)}
             try:
                 rs["suffix"] = replay_suffix(sq["prompt"], out, args.k, costs)
             except ImportError:

@@ -47,8 +47,9 @@ def test_a_position_estimated_below_the_cut_recovers_on_a_loop(replay, monkeypat
     against a 32 ms step (batch 8 on the CPU), so chains are cut after one token. On an
     exact loop, the token past the cut, observed from each step's output, raises the
     estimates until the chains grow: the last 180 tokens take at most 45 steps (4 tokens
-    per step or more). Without the observation (``Calibration.observe`` a no-op, the
-    behaviour before) the cut never moves: every step yields exactly 2 tokens."""
+    per step or more). Without the observation (``observe_past_cut=False``, as the
+    proposer's ``policy_tuning.observe_past_cut`` false; or ``Calibration.observe`` a
+    no-op) the cut never moves: every step yields exactly 2 tokens."""
     from vllm_tokenswift import policy as pol
     from vllm_tokenswift.chain import SOURCE_NGRAM
 
@@ -66,6 +67,8 @@ def test_a_position_estimated_below_the_cut_recovers_on_a_loop(replay, monkeypat
     costs = {"a": 32.0, "g": 0.0, "b": 12.0}
     r = replay.replay_tokenswift(prompt, out, 8, costs, calibration=seeded(8))
     assert r["steps_at"][-1] - r["steps_at"][-181] <= 45
-    monkeypatch.setattr(pol.Calibration, "observe", lambda *a, **k: None)
+    r = replay.replay_tokenswift(prompt, out, 8, costs, calibration=seeded(8), observe_past_cut=False)
+    assert r["steps_at"][-1] - r["steps_at"][-181] == 90
+    monkeypatch.setattr(pol.Calibration, "observe", lambda *a, **k: None)       # the flag is all it takes
     r = replay.replay_tokenswift(prompt, out, 8, costs, calibration=seeded(8))
     assert r["steps_at"][-1] - r["steps_at"][-181] == 90

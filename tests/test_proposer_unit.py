@@ -385,3 +385,6 @@ def test_the_token_past_the_cut_is_observed_when_the_output_tells_it():
     assert booked(none, 0, 0, [9]) == ({(SOURCE_NGRAM, 0, 3): 1.0}, {(SOURCE_NGRAM, 0, 3): 1.0})
     assert booked(_Proposal(pol.NONE, [], []), 0, 0, [9]) == ({}, {})
     assert booked(two, 2, 2, None)[0] == both                      # no tokens given: as before
+    prop.cfg = prop.cfg.model_copy(update={"policy_tuning": PolicyTuning(observe_past_cut=False)})
+    assert booked(two, 2, 2, [5, 6, 7]) == (both, both)            # the setting off: verified tokens only
+    assert booked(none, 0, 0, [9]) == ({}, {})

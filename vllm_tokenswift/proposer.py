@@ -5,7 +5,10 @@ every running request, :meth:`TokenSwiftProposer.propose_with_runner` runs this
 pipeline:
 
 1. **Account** for the chain verified this step: acceptance per source, per draft
-   position and per option (``metrics``, ``policy``), the step's measured cost.
+   position and per option (``metrics``, ``policy``), the step's measured cost; when
+   every draft was accepted (or none proposed), the token sampled after them also tells
+   whether the chain's first token past the cut would have been accepted, and the
+   calibration books that too.
 2. **Update** each request's n-gram table with its new tokens (Sec 3.2).
 3. **Decide** (``policy``): per request, the draft forward over its budgeted view,
    fused heads on the verification forward's hidden state, an n-gram chain alone,
@@ -598,7 +601,8 @@ class TokenSwiftProposer:
             if cum is None:
                 cum = self._calibrated_cum(ch, r.state.sampled)
             keep = min(keep, max(pol.cut_length(cum, threshold), 1 if r.forced else 0))
-        r.past_cut = (ch.tokens[keep], ch.sources[keep], ch.confs[keep]) if keep < len(ch.tokens) else None
+        r.past_cut = ((ch.tokens[keep], ch.sources[keep], ch.confs[keep])
+                      if keep < min(len(ch.tokens), len(ch.sources), len(ch.confs)) else None)
         return ch.truncate(keep)
 
     # ----------------------------------------------------------------- fused heads

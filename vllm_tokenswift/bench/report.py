@@ -24,7 +24,10 @@ A *record* is one timed run of one method in one setting (a ``dict``). Keys
   way: the decode phase alone. The prefill is the same work for every method (same
   prompts, same target), yet its time moves by several percent from one engine instance
   to another (at batch 8, 1K tokens on the CPU, a quarter of the wall time: a TTFT of
-  36-39 s in one invocation), enough to decide a tie in ``speedup_vs_ar``.
+  36-39 s in one invocation), enough to decide a tie in ``speedup_vs_ar``. At batch > 1
+  it is not the decode phase alone: ``decode_tokens_per_s`` counts the tokens that the
+  first requests generate while later ones still prefill but not that time, which
+  favours a method that generates more tokens per step then; read it as indicative.
 * ``acceptance_rate``: α (paper Eq. 4) ``= accepted / (num_spec_tokens * drafts)``.
 * ``mean_accepted_length``: ``1 + accepted / drafts`` tokens per step (bonus included).
 * ``ngram_acceptance``: β (Eq. 6) from the TokenSwift plugin, else ``None``.
@@ -464,7 +467,8 @@ def write_markdown(records: list[dict], path: str, meta: dict | None = None) -> 
     out += ["Medians over repeats (`tok/s min` = slowest repeat, `ms/tok min` = fastest). "
             "speedup = method tok/s ÷ AR tok/s of the same gen_len/batch/sampling "
             "(= AR latency / method latency, paper Eq. 5); decode speedup = the same for the "
-            "decode phase alone (tokens after the first ÷ time after the first token): the "
+            "decode phase (tokens after the first ÷ time after the last first token; at batch "
+            "> 1 it also counts tokens generated while later requests prefilled): the "
             "prefill is the same work for every method but its time varies between engine "
             "instances. alpha = accepted / "
             "(num_speculative_tokens × drafts) (Eq. 4); mean acc len = 1 + accepted / drafts; "
