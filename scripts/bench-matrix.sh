@@ -9,7 +9,7 @@
 #   OUT     output folder (default docs/bench/smollm2/matrix)
 #   BLOCK   any of: 2k 6k ablations b8 yarn tiny16k k16 (default: all, in this order), or
 #           engines: the settings whose one-round verdicts were within a few percent, rerun on
-#           fresh engine instances (--engines; not in the default list: ~2.5 h), or
+#           fresh engine instances (--engines; not in the default list: ~3 h), or
 #           tuning: the adaptive policy's tuning defaults against the earlier behaviour (~2 h)
 #
 # Time on the 2-core CPU (AR about 15 tok/s at 2K context): 2k ~40 min, 6k ~65 min,
@@ -64,7 +64,9 @@ for b in "${BLOCKS[@]}"; do
         run 6k-paper-engines --engines 2 --methods ar,tokenswift,ngram --gen-lens 6144 --batch-sizes 1 \
             --sampling paper --repeats 1 --prefix-len 2048 --kv-cache-gb 0.5
         run tiny-16k-greedy-engines --engines 2 --model tiny --k 4 --methods ar,tokenswift,suffix \
-            --gen-lens 16384 --batch-sizes 1 --sampling greedy --repeats 1 --prefix-len 2048 --kv-cache-gb 0.5 ;;
+            --gen-lens 16384 --batch-sizes 1 --sampling greedy --repeats 1 --prefix-len 2048 --kv-cache-gb 0.5
+        run 2k-greedy-engines --engines 2 --methods ar,tokenswift,suffix --gen-lens 2048 --batch-sizes 1 \
+            --sampling greedy --repeats 1 --prefix-len 2048 --kv-cache-gb 0.5 ;;
     tuning)   # the policy_tuning defaults against the earlier behaviour, on fresh instances (~30 min each)
         run 6k-greedy-explore-ab --engines 2 --methods ar,tokenswift,tokenswift-explore,suffix \
             --method-config "tokenswift-explore={\"method\": \"tokenswift\", \"model\": \"$HEADS\", \"num_speculative_tokens\": 8, \"tokenswift\": {\"kv_budget\": 1024, \"policy_tuning\": {\"explore_beside_ngram\": true}}}" \
