@@ -556,10 +556,8 @@ class Calibration:
         n = min(num_verified, len(sources), len(confs))
         if n <= 0:
             return
-        for j in range(min(n, num_accepted + 1)):
-            k = self._key(sources[j], j, confs[j])
-            self.reached[k] = self.reached.get(k, 0.0) * self.decay + 1.0
-            self.accepted[k] = self.accepted.get(k, 0.0) * self.decay + (1.0 if j < num_accepted else 0.0)
+        for j in range(min(n, num_accepted + 1)):     # each examined token, booked as observe() books one
+            self.observe(sources[j], j, confs[j], j < num_accepted)
 
 
 # ============================================================== decision

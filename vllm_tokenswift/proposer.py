@@ -434,7 +434,7 @@ class TokenSwiftProposer:
         return rows
 
     def _account(self, st: _RequestState, num_verified: int, num_accepted: int,
-                 tokens=None) -> None:
+                 tokens: list[int] | None = None) -> None:
         """Book last step's proposal of ``st`` as verified (acceptance per source/option).
 
         ``tokens``: what the step sampled for the request (the accepted drafts, then the
@@ -446,7 +446,7 @@ class TokenSwiftProposer:
         nxt = last.next
         if (nxt is not None and tokens is not None and self.tuning.observe_past_cut
                 and num_verified == len(last.sources)
-                and num_accepted == num_verified and len(tokens) > num_accepted):
+                and num_accepted == num_verified):
             self.calibration.observe(nxt[1], num_verified, nxt[2], int(tokens[num_accepted]) == nxt[0])
         st.all_accepted = num_verified >= self.num_spec_tokens and num_accepted >= num_verified
         self.stats.record_verification(last.sources, num_verified, num_accepted,
