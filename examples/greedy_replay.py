@@ -42,7 +42,8 @@ import numpy as np
 
 
 def replay_tokenswift(prompt: list[int], out: list[int], k: int, costs: dict,
-                      calibration=None, observe_past_cut: bool = True, charge: dict | None = None) -> dict:
+                      calibration=None, observe_past_cut: bool = True, charge: dict | None = None,
+                      ngram_escape: bool = True) -> dict:
     """TokenSwift's n-gram drafting replayed over ``prompt + out`` (greedy, one request).
 
     As the proposer does, a step whose drafts were all accepted (or that drafted none)
@@ -52,6 +53,8 @@ def replay_tokenswift(prompt: list[int], out: list[int], k: int, costs: dict,
     (default: a fresh ``Calibration(positions=k)``, as the proposer's; it is updated in
     place). ``charge``: the costs each step is charged (default ``costs``, the ones the
     policy decides with): a policy that misprices a draft token, replayed.
+    ``ngram_escape``: as ``policy_tuning.ngram_escape`` (a 3-token context's most frequent
+    continuation scored ``c / (t + 1)``; False: ``c / t``).
 
     Returns:
         ``{"steps", "drafted", "accepted", "ms", "steps_at"}``: engine steps after the
@@ -73,7 +76,8 @@ def replay_tokenswift(prompt: list[int], out: list[int], k: int, costs: dict,
     res = {"steps": 0, "drafted": 0, "accepted": 0, "ms": 0.0, "steps_at": [0]}
     while p < len(seq) - 1:
         room = min(k, len(seq) - 2 - p)   # the bonus token of a wholly accepted chain fits
-        ch = ngram_chain(seq[max(0, p + 1 - table.context_len): p + 1], table, room, NGRAM_FLOOR)
+        ch = ngram_chain(seq[max(0, p + 1 - table.context_len): p + 1], table, room, NGRAM_FLOOR,
+                         ngram_escape)
         cums = {pol.NONE: np.zeros(0)}
         if ch.tokens:
             cums[pol.NGRAM] = calib.chain_cum(_calibration_keys(ch.sources, False), ch.confs)
@@ -210,6 +214,8 @@ def main() -> None:
                     help="the costs TokenSwift's policy decides with, in ms (default: --costs, which every step is charged)")
     ap.add_argument("--no-observe-past-cut", action="store_true",
                     help="as policy_tuning.observe_past_cut false: the calibration books verified tokens only")
+    ap.add_argument("--no-ngram-escape", action="store_true",
+                    help="as policy_tuning.ngram_escape false: a 3-token context's continuation is scored c/t, not c/(t+1)")
     ap.add_argument("--plot", default=None, metavar="PNG", help="steps against generated tokens (first sequence)")
     args = ap.parse_args()
     if args.generate:
@@ -230,7 +236,8 @@ def main() -> None:
         for i, sq in enumerate(seqs):
             out = sq["out"][:n]
             rs = {"tokenswift": replay_tokenswift(sq["prompt"], out, args.k, decide, charge=costs,
-                                                  observe_past_cut=not args.no_observe_past_cut)}
+                                                  observe_past_cut=not args.no_observe_past_cut,
+                                                  ngram_escape=not args.no_ngram_escape)}
             try:
                 rs["suffix"] = replay_suffix(sq["prompt"], out, args.k, costs)
             except ImportError:

@@ -81,7 +81,16 @@ for b in "${BLOCKS[@]}"; do
             --gen-lens 2048 --batch-sizes 1 --sampling paper --repeats 2 --prefix-len 2048 --kv-cache-gb 0.5
         run b8-paper-observe-ab --methods ar,tokenswift,tokenswift-noobs \
             --method-config "tokenswift-noobs={\"method\": \"tokenswift\", \"model\": \"$HEADS\", \"num_speculative_tokens\": 8, \"tokenswift\": {\"kv_budget\": 1024, \"policy_tuning\": {\"observe_past_cut\": false}}}" \
-            --gen-lens 1024 --batch-sizes 8 --sampling paper --repeats 1 --prefix-len 2048 --kv-cache-gb 1.25 ;;
+            --gen-lens 1024 --batch-sizes 8 --sampling paper --repeats 1 --prefix-len 2048 --kv-cache-gb 1.25
+        run 2k-greedy-escape-ab --engines 2 --methods ar,tokenswift,tokenswift-noesc,suffix \
+            --method-config "tokenswift-noesc={\"method\": \"tokenswift\", \"model\": \"$HEADS\", \"num_speculative_tokens\": 8, \"tokenswift\": {\"kv_budget\": 1024, \"policy_tuning\": {\"ngram_escape\": false}}}" \
+            --gen-lens 2048 --batch-sizes 1 --sampling greedy --repeats 1 --prefix-len 2048 --kv-cache-gb 0.5
+        run 2k-paper-escape-ab --methods ar,tokenswift,tokenswift-noesc \
+            --method-config "tokenswift-noesc={\"method\": \"tokenswift\", \"model\": \"$HEADS\", \"num_speculative_tokens\": 8, \"tokenswift\": {\"kv_budget\": 1024, \"policy_tuning\": {\"ngram_escape\": false}}}" \
+            --gen-lens 2048 --batch-sizes 1 --sampling paper --repeats 2 --prefix-len 2048 --kv-cache-gb 0.5
+        run b8-greedy-escape-ab --engines 2 --methods ar,tokenswift,tokenswift-noesc,suffix \
+            --method-config "tokenswift-noesc={\"method\": \"tokenswift\", \"model\": \"$HEADS\", \"num_speculative_tokens\": 8, \"tokenswift\": {\"kv_budget\": 1024, \"policy_tuning\": {\"ngram_escape\": false}}}" \
+            --gen-lens 1024 --batch-sizes 8 --sampling greedy --repeats 1 --prefix-len 2048 --kv-cache-gb 1.25 ;;
     k16) run k16-2k --k 16 --methods ar,tokenswift,suffix-16 \
             --method-config 'suffix-16={"method": "suffix", "num_speculative_tokens": 16, "suffix_decoding_max_cached_requests": 0}' \
             --gen-lens 2048 --batch-sizes 1 --sampling greedy --repeats 2 --prefix-len 2048 --kv-cache-gb 0.5 ;;

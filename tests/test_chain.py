@@ -69,11 +69,16 @@ def test_ngram_chain_for_adaptive_drafting():
     from vllm_tokenswift.chain import ngram_chain
 
     table = NGramTable(3)
-    table.extend([5, 6, 7, 8] * 5)  # after (7, 8) always 5, after (8, 5) always 6, ...
+    table.extend([5, 6, 7, 8] * 5)  # after (7, 8) always 5 (4 times), after (8, 5) always 6 (4), ...
     ch = ngram_chain([7, 8], table, max_len=4, min_conf=0.3)
     assert ch.tokens == [5, 6, 7, 8]
     assert ch.sources == [SOURCE_NGRAM] * 4
-    assert ch.expected_len == pytest.approx(4.0)
+    # each confidence keeps one count for a continuation not seen yet, c / (c + 1):
+    # (7, 8) -> 5 and (8, 5) -> 6 were seen 4 times, (5, 6) -> 7 and (6, 7) -> 8 5 times
+    assert ch.confs == pytest.approx([0.8, 0.8, 5 / 6, 5 / 6])
+    assert ch.expected_len == pytest.approx(0.8 + 0.64 + 0.64 * 5 / 6 + 0.64 * 25 / 36)
+    plain = ngram_chain([7, 8], table, max_len=4, min_conf=0.3, escape=False)
+    assert plain.tokens == [5, 6, 7, 8] and plain.expected_len == pytest.approx(4.0)
     assert ngram_chain([1, 2], table, max_len=4, min_conf=0.3).tokens == []  # unseen context
 
 

@@ -28,7 +28,7 @@ def test_defaults_match_the_documented_ones():
     assert cfg.heads == "/h" and cfg.num_speculative_tokens == 4
     t = cfg.policy_tuning
     assert (t.min_gain, t.draft_token_cost_prior, t.explore_every, t.explore_max,
-            t.explore_beside_ngram, t.observe_past_cut) == (0.05, 0.08, 48, 768, False, True)
+            t.explore_beside_ngram, t.observe_past_cut, t.ngram_escape) == (0.05, 0.08, 48, 768, False, True, True)
 
 
 def test_policy_tuning_travels_to_the_worker_as_plain_json():
@@ -39,10 +39,10 @@ def test_policy_tuning_travels_to_the_worker_as_plain_json():
     cfg = TokenSwiftConfig.from_speculative_dict(
         {"method": "tokenswift", "model": "/h",
          "tokenswift": {"policy_tuning": {"explore_every": 0, "draft_token_cost_prior": 0.01,
-                                          "observe_past_cut": False}}})
+                                          "observe_past_cut": False, "ngram_escape": False}}})
     again = TokenSwiftConfig.parse(json.loads(json.dumps(cfg.model_dump())))
     assert again == cfg and again.policy_tuning.explore_every == 0
-    assert again.policy_tuning.observe_past_cut is False
+    assert again.policy_tuning.observe_past_cut is False and again.policy_tuning.ngram_escape is False
     assert again.policy_tuning.draft_token_cost_prior == 0.01 and again.policy_tuning.explore_max == 768
 
 

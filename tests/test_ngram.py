@@ -64,6 +64,11 @@ def test_cond_prob_and_best_next():
     tok, f = t.best_next([7, 1, 2])
     assert (tok, f) == (3, pytest.approx(2 / 3))
     assert t.best_next([8, 8]) is None
+    # with the escape count: 2 / (3 + 1); (3, 1), seen twice, always followed by 2: 2/3
+    assert t.best_next([7, 1, 2], escape=True) == (3, pytest.approx(2 / 4))
+    assert t.best_next([3, 1], escape=True) == (2, pytest.approx(2 / 3))
+    assert t.best_next([3, 1]) == (2, pytest.approx(1.0))
+    assert t.best_next([8, 8], escape=True) is None
 
 
 def test_invalid_order():
@@ -188,10 +193,13 @@ def test_ngram_chain_trusts_a_short_context_as_far_as_its_record_or_its_length_e
     ch = ngram_chain([7, 1, 2], t, max_len=1, min_conf=0.05)
     assert ch.tokens == [9] and ch.confs == [pytest.approx(2 / 3)]
     # a fresh request: (1, 2) seen once, no short context recurred yet: rate 1/2; then
-    # the 3-token context (1, 2, 9) was always followed by 5
+    # the 3-token context (1, 2, 9), seen once, followed by 5: 1 / (1 + 1) with the
+    # escape count, 1/1 without
     fresh = NGramTable(4)
     fresh.extend([1, 2, 9, 5])
     ch = ngram_chain([7, 1, 2], fresh, max_len=2, min_conf=0.05)
+    assert ch.tokens == [9, 5] and ch.confs == [pytest.approx(0.5), pytest.approx(0.5)]
+    ch = ngram_chain([7, 1, 2], fresh, max_len=2, min_conf=0.05, escape=False)
     assert ch.tokens == [9, 5] and ch.confs == [pytest.approx(0.5), pytest.approx(1.0)]
     # (1, 2) recurred three times with a new successor each time: 2-token contexts are
     # followed as before at rate (0 + 1) / (3 + 2); (8, 9), seen once, gets that 1/5
@@ -199,8 +207,9 @@ def test_ngram_chain_trusts_a_short_context_as_far_as_its_record_or_its_length_e
     branchy.extend([1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2, 6, 8, 9, 10, 0])
     assert branchy.level_record[2] == [3, 0]
     assert ngram_chain([7, 8, 9], branchy, max_len=2, min_conf=0.3).tokens == []
-    ch = ngram_chain([7, 8, 9], branchy, max_len=2, min_conf=0.1)
-    assert ch.tokens == [10, 0] and ch.confs == [pytest.approx(0.2), pytest.approx(1.0)]
+    ch = ngram_chain([7, 8, 9], branchy, max_len=2, min_conf=0.09)
+    assert ch.tokens == [10, 0] and ch.confs == [pytest.approx(0.2), pytest.approx(0.5)]
+    assert ngram_chain([7, 8, 9], branchy, max_len=2, min_conf=0.11).tokens == [10]
 
 
 def test_recent_next_tells_a_repeated_phrase_apart_by_the_longer_context():

@@ -388,3 +388,24 @@ def test_the_token_past_the_cut_is_observed_when_the_output_tells_it():
     prop.cfg = prop.cfg.model_copy(update={"policy_tuning": PolicyTuning(observe_past_cut=False)})
     assert booked(two, 2, 2, [5, 6, 7]) == (both, both)            # the setting off: verified tokens only
     assert booked(none, 0, 0, [9]) == ({}, {})
+
+
+def test_the_rows_ngram_chain_scores_a_context_seen_once_with_the_escape_count():
+    """The proposer's n-gram chains (the ``ngram`` option and the extension of sampled
+    chains) score a 3-token context's most frequent continuation ``c / (t + 1)`` with
+    ``policy_tuning.ngram_escape`` (the default), ``c / t`` without it."""
+    from vllm_tokenswift.ngram import NGramTable
+
+    def chain(**tuning):
+        prop = _proposer(policy="adaptive", ngram_topk=20, policy_tuning=tuning)
+        st = prop._new_state(_runner(r=1), "r")
+        assert isinstance(st.ngrams, NGramTable)
+        # (1, 2, 3) seen once, followed by 4; (2, 3, 4) seen once, followed by 5;
+        # (3, 4, 5) twice, followed by 6 both times
+        st.ngrams.extend([1, 2, 3, 4, 5, 6, 9, 3, 4, 5, 6, 1, 2, 3])
+        return prop._ngram_chain(st, [9, 1, 2, 3], room=3)
+
+    ch = chain()
+    assert ch.tokens == [4, 5, 6] and ch.confs == pytest.approx([1 / 2, 1 / 2, 2 / 3])
+    ch = chain(ngram_escape=False)
+    assert ch.tokens == [4, 5, 6] and ch.confs == pytest.approx([1.0, 1.0, 1.0])

@@ -235,7 +235,8 @@ def _best_tree_path(tree_tokens: Sequence[Sequence[int]], depth: int, context: l
 
 def extend_chain(chain: Chain, context: list[int], table: NGramTable, max_len: int, min_conf: float,
                  cum: float = 1.0, prob: Callable[[int, int], float | None] | None = None,
-                 num_dists: int = 0, mix: float = DEFAULT_MIX, recent: bool = False) -> Chain:
+                 num_dists: int = 0, mix: float = DEFAULT_MIX, recent: bool = False,
+                 escape: bool = False) -> Chain:
     """Append the table's most frequent continuations to ``chain`` (in place) while the
     cumulative acceptance estimate stays >= ``min_conf``, up to ``max_len`` tokens.
 
@@ -247,6 +248,8 @@ def extend_chain(chain: Chain, context: list[int], table: NGramTable, max_len: i
             occurrence, or at a branch point their most frequent continuation; ``context``
             must then hold :attr:`NGramTable.context_len` tokens) over the most frequent n-gram continuation, and back
             off to the short contexts (:meth:`NGramTable.short_next`) when neither is known.
+        escape: the most frequent continuation's confidence keeps one count for a
+            continuation not seen yet (:meth:`NGramTable.best_next` with ``escape``).
     Each appended token adds its estimate to ``expected_len`` (``+= Π q_i``) and, when
     the chain keeps one confidence per token (``len(confs) == len(tokens)``), its own
     ``q_i`` to ``confs``.
@@ -255,7 +258,7 @@ def extend_chain(chain: Chain, context: list[int], table: NGramTable, max_len: i
     keep = table.context_len if recent else table.n - 1
     ext_ctx = list(context[-keep:]) + chain.tokens
     while len(chain.tokens) < max_len:
-        nxt = ((table.recent_next(ext_ctx) if recent else None) or table.best_next(ext_ctx)
+        nxt = ((table.recent_next(ext_ctx) if recent else None) or table.best_next(ext_ctx, escape)
                or (table.short_next(ext_ctx) if recent else None))
         if nxt is None:
             break
@@ -275,7 +278,8 @@ def extend_chain(chain: Chain, context: list[int], table: NGramTable, max_len: i
     return chain
 
 
-def ngram_chain(context: list[int], table: NGramTable, max_len: int, min_conf: float) -> Chain:
+def ngram_chain(context: list[int], table: NGramTable, max_len: int, min_conf: float,
+                escape: bool = True) -> Chain:
     """Chain from the n-gram table alone (no draft forward): repeatedly, the continuation
     of the longest matched long context (:meth:`NGramTable.recent_next`: the token after
     its latest earlier occurrence, or at a branch point its most frequent continuation),
@@ -283,8 +287,11 @@ def ngram_chain(context: list[int], table: NGramTable, max_len: int, min_conf: f
     the latest occurrence of the last 2 or 1 tokens (:meth:`NGramTable.short_next`), while
     ``Π f_i >= min_conf`` (``f_i``: the confidence of the token taken). ``expected_len`` is
     ``Σ_j Π_{i<=j} f_i``; ``confs`` holds each ``f_i``. ``context``: the request's tokens
-    up to the newest (at least the last :attr:`NGramTable.context_len`)."""
-    return extend_chain(Chain([], [], 0.0), context, table, max_len, min_conf, recent=True)
+    up to the newest (at least the last :attr:`NGramTable.context_len`). ``escape``: the
+    most frequent continuation's confidence is ``c / (t + 1)`` rather than ``c / t``
+    (:meth:`NGramTable.best_next`; ``policy_tuning.ngram_escape``)."""
+    return extend_chain(Chain([], [], 0.0), context, table, max_len, min_conf, recent=True,
+                        escape=escape)
 
 
 # ------------------------------------------------------------------ fast path (adaptive policy)
@@ -310,7 +317,7 @@ def build_chain(context: Sequence[int], top_tokens: Sequence[Sequence[int]],
                 prob: Callable[[int, int], float | None], table: NGramTable | None,
                 grams: Sequence[Sequence[tuple[tuple[int, ...], int]]], max_len: int,
                 source: int = SOURCE_HEADS, mix: float = DEFAULT_MIX, min_conf: float = 0.05,
-                skip_first_gram: Sequence[bool] = ()) -> Chain:
+                skip_first_gram: Sequence[bool] = (), escape: bool = True) -> Chain:
     """Best draft chain from ``D`` draft distributions plus n-gram candidates, in
     O(D·w + k·n) dictionary lookups (the adaptive policy's chain builder).
 
@@ -338,6 +345,8 @@ def build_chain(context: Sequence[int], top_tokens: Sequence[Sequence[int]],
             fused heads).
         skip_first_gram: per group, True when its n-grams start with ``x`` itself
             (the chain is their tail), False when they start with the first draft.
+        escape: the extension's most frequent continuations are scored ``c / (t + 1)``
+            (:meth:`NGramTable.best_next`; ``policy_tuning.ngram_escape``).
     Returns:
         :class:`Chain` with ``confs`` = the per-token ``q_i``.
     """
@@ -396,7 +405,8 @@ def build_chain(context: Sequence[int], top_tokens: Sequence[Sequence[int]],
         cum = 1.0
         for q in qs:
             cum *= q
-        extend_chain(chain, context, table, max_len, min_conf, cum, prob, D, mix, recent=True)
+        extend_chain(chain, context, table, max_len, min_conf, cum, prob, D, mix, recent=True,
+                     escape=escape)
     return chain
 
 

@@ -76,6 +76,10 @@ class PolicyTuning(BaseModel):
             before, and a position whose estimate fell below the cut is never examined
             again (replayed on a looping greedy output at batch-8 costs: chains cut after
             one token for 500+ tokens).
+        ngram_escape: in the adaptive policy's chains, the confidence of a 3-token
+            context's most frequent continuation is ``c / (t + 1)`` (one count kept for a
+            continuation not seen yet; ``NGramTable.best_next``) rather than ``c / t``, so
+            a context seen once is not scored as certain. Off: ``c / t``, as before.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -86,6 +90,7 @@ class PolicyTuning(BaseModel):
     explore_max: int = Field(768, ge=1, le=1_000_000)
     explore_beside_ngram: bool = False
     observe_past_cut: bool = True
+    ngram_escape: bool = True
 
     @model_validator(mode="after")
     def _gap_order(self) -> "PolicyTuning":

@@ -471,7 +471,7 @@ class TokenSwiftProposer:
         for r in rows:
             st = r.state
             if st.ngrams is not None:
-                r.ngram = ngram_chain(r.context, st.ngrams, r.room, NGRAM_FLOOR)
+                r.ngram = self._ngram_chain(st, r.context, r.room)
             options.append(self._row_options(r, has_fused))
             r.forced = options[-1].forced not in (None, pol.NONE)
         if cfg.policy == "paper":
@@ -546,6 +546,13 @@ class TokenSwiftProposer:
         if sampled and nxt[1] != SOURCE_NGRAM:
             return None
         return nxt[0], _calibration_keys((nxt[1],), sampled)[0], nxt[2]
+
+    def _ngram_chain(self, st: _RequestState, context: list[int], room: int) -> Chain:
+        """The request's n-gram chain after ``context`` (its tokens up to the newest, at
+        least the table's :attr:`~vllm_tokenswift.ngram.NGramTable.context_len`), at most
+        ``room`` tokens, built down to :data:`NGRAM_FLOOR` (the policy cuts it), with the
+        escape count of ``policy_tuning.ngram_escape`` (:func:`ngram_chain`)."""
+        return ngram_chain(context, st.ngrams, room, NGRAM_FLOOR, self.tuning.ngram_escape)
 
     def _row_options(self, r: _Row, has_fused: bool) -> pol.RowOptions:
         """Per available option, the estimated cumulative acceptance of its chain."""
@@ -751,7 +758,7 @@ class TokenSwiftProposer:
                         groups.append(st.ngrams.topk(first, cfg.ngram_topk))
                         skips.append(skip)
                 ch = build_chain(r.context, toks, prob, st.ngrams, groups, r.room, source=source,
-                                 skip_first_gram=skips)
+                                 skip_first_gram=skips, escape=self.tuning.ngram_escape)
                 chains[idx[k]] = self._cut(ch, r, threshold)
         sampled = [k for k, r in enumerate(sel) if r.state.sampled]
         if sampled:
@@ -763,7 +770,7 @@ class TokenSwiftProposer:
             draws = self._draw(st, probs[k, :depth])
             ch = Chain(list(draws), [source] * depth, 0.0, peak[k, :depth].tolist())
             if st.ngrams is not None and depth < r.room:
-                ext = ngram_chain(list(r.context) + ch.tokens, st.ngrams, r.room - depth, NGRAM_FLOOR)
+                ext = self._ngram_chain(st, list(r.context) + ch.tokens, r.room - depth)
                 ch.tokens += ext.tokens
                 ch.sources += ext.sources
                 ch.confs += ext.confs
