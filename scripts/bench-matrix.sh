@@ -91,9 +91,12 @@ for b in "${BLOCKS[@]}"; do
         run b8-greedy-escape-ab --engines 2 --methods ar,tokenswift,tokenswift-noesc,suffix \
             --method-config "tokenswift-noesc={\"method\": \"tokenswift\", \"model\": \"$HEADS\", \"num_speculative_tokens\": 8, \"tokenswift\": {\"kv_budget\": 1024, \"policy_tuning\": {\"ngram_escape\": false}}}" \
             --gen-lens 1024 --batch-sizes 8 --sampling greedy --repeats 1 --prefix-len 2048 --kv-cache-gb 1.25
-        run 6k-greedy-escape-ab --engines 2 --methods ar,tokenswift,tokenswift-noesc,suffix \
+        run b8-paper-escape-ab --methods ar,tokenswift,tokenswift-noesc \
             --method-config "tokenswift-noesc={\"method\": \"tokenswift\", \"model\": \"$HEADS\", \"num_speculative_tokens\": 8, \"tokenswift\": {\"kv_budget\": 1024, \"policy_tuning\": {\"ngram_escape\": false}}}" \
-            --gen-lens 6144 --batch-sizes 1 --sampling greedy --repeats 1 --prefix-len 2048 --kv-cache-gb 0.5 ;;
+            --gen-lens 1024 --batch-sizes 8 --sampling paper --repeats 1 --prefix-len 2048 --kv-cache-gb 1.25
+        run 6k-paper-escape-ab --methods ar,tokenswift,tokenswift-noesc \
+            --method-config "tokenswift-noesc={\"method\": \"tokenswift\", \"model\": \"$HEADS\", \"num_speculative_tokens\": 8, \"tokenswift\": {\"kv_budget\": 1024, \"policy_tuning\": {\"ngram_escape\": false}}}" \
+            --gen-lens 6144 --batch-sizes 1 --sampling paper --repeats 1 --prefix-len 2048 --kv-cache-gb 0.5 ;;
     k16) run k16-2k --k 16 --methods ar,tokenswift,suffix-16 \
             --method-config 'suffix-16={"method": "suffix", "num_speculative_tokens": 16, "suffix_decoding_max_cached_requests": 0}' \
             --gen-lens 2048 --batch-sizes 1 --sampling greedy --repeats 2 --prefix-len 2048 --kv-cache-gb 0.5 ;;

@@ -28,7 +28,7 @@ def test_defaults_match_the_documented_ones():
     assert cfg.heads == "/h" and cfg.num_speculative_tokens == 4
     t = cfg.policy_tuning
     assert (t.min_gain, t.draft_token_cost_prior, t.explore_every, t.explore_max,
-            t.explore_beside_ngram, t.observe_past_cut, t.ngram_escape) == (0.05, 0.08, 48, 768, False, True, True)
+            t.explore_beside_ngram, t.observe_past_cut, t.ngram_escape) == (0.05, 0.08, 48, 768, False, True, "sampled")
 
 
 def test_policy_tuning_travels_to_the_worker_as_plain_json():
@@ -43,6 +43,10 @@ def test_policy_tuning_travels_to_the_worker_as_plain_json():
     again = TokenSwiftConfig.parse(json.loads(json.dumps(cfg.model_dump())))
     assert again == cfg and again.policy_tuning.explore_every == 0
     assert again.policy_tuning.observe_past_cut is False and again.policy_tuning.ngram_escape is False
+    for esc in (True, "sampled"):
+        cfg = TokenSwiftConfig.from_speculative_dict(
+            {"method": "tokenswift", "model": "/h", "tokenswift": {"policy_tuning": {"ngram_escape": esc}}})
+        assert TokenSwiftConfig.parse(json.loads(json.dumps(cfg.model_dump()))).policy_tuning.ngram_escape == esc
     assert again.policy_tuning.draft_token_cost_prior == 0.01 and again.policy_tuning.explore_max == 768
 
 
@@ -62,6 +66,7 @@ def test_policy_tuning_travels_to_the_worker_as_plain_json():
     ({"use_heads": True, "heads": None}, "no heads checkpoint"),
     ({"policy_tuning": {"explore_evry": 4}}, "tokenswift.policy_tuning.explore_evry"),
     ({"policy_tuning": {"min_gain": -0.1}}, "tokenswift.policy_tuning.min_gain"),
+    ({"policy_tuning": {"ngram_escape": "greedy"}}, "tokenswift.policy_tuning.ngram_escape"),
     ({"policy_tuning": {"explore_every": 100, "explore_max": 50}}, "explore_every=100 is larger than explore_max=50"),
 ])
 def test_invalid_settings_name_the_field(bad, msg):

@@ -392,20 +392,25 @@ def test_the_token_past_the_cut_is_observed_when_the_output_tells_it():
 
 def test_the_rows_ngram_chain_scores_a_context_seen_once_with_the_escape_count():
     """The proposer's n-gram chains (the ``ngram`` option and the extension of sampled
-    chains) score a 3-token context's most frequent continuation ``c / (t + 1)`` with
-    ``policy_tuning.ngram_escape`` (the default), ``c / t`` without it."""
+    chains) score a 3-token context's most frequent continuation ``c / (t + 1)`` where
+    ``policy_tuning.ngram_escape`` asks for it: by default (``"sampled"``) for sampled
+    requests only, with ``true`` for greedy ones too, with ``false`` for none (``c / t``)."""
     from vllm_tokenswift.ngram import NGramTable
 
-    def chain(**tuning):
+    def chain(temperature, **tuning):
         prop = _proposer(policy="adaptive", ngram_topk=20, policy_tuning=tuning)
-        st = prop._new_state(_runner(r=1), "r")
-        assert isinstance(st.ngrams, NGramTable)
+        runner = _runner(r=1)
+        runner.requests["r"].sampling_params.temperature = temperature
+        st = prop._new_state(runner, "r")
+        assert isinstance(st.ngrams, NGramTable) and st.sampled == (temperature > 0)
         # (1, 2, 3) seen once, followed by 4; (2, 3, 4) seen once, followed by 5;
         # (3, 4, 5) twice, followed by 6 both times
         st.ngrams.extend([1, 2, 3, 4, 5, 6, 9, 3, 4, 5, 6, 1, 2, 3])
-        return prop._ngram_chain(st, [9, 1, 2, 3], room=3)
+        ch = prop._ngram_chain(st, [9, 1, 2, 3], room=3)
+        assert ch.tokens == [4, 5, 6]
+        return ch.confs
 
-    ch = chain()
-    assert ch.tokens == [4, 5, 6] and ch.confs == pytest.approx([1 / 2, 1 / 2, 2 / 3])
-    ch = chain(ngram_escape=False)
-    assert ch.tokens == [4, 5, 6] and ch.confs == pytest.approx([1.0, 1.0, 1.0])
+    escaped, plain = pytest.approx([1 / 2, 1 / 2, 2 / 3]), pytest.approx([1.0, 1.0, 1.0])
+    assert chain(1.0) == escaped and chain(0.0) == plain               # default: "sampled"
+    assert chain(1.0, ngram_escape=True) == escaped and chain(0.0, ngram_escape=True) == escaped
+    assert chain(1.0, ngram_escape=False) == plain and chain(0.0, ngram_escape=False) == plain

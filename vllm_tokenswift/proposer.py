@@ -551,8 +551,15 @@ class TokenSwiftProposer:
         """The request's n-gram chain after ``context`` (its tokens up to the newest, at
         least the table's :attr:`~vllm_tokenswift.ngram.NGramTable.context_len`), at most
         ``room`` tokens, built down to :data:`NGRAM_FLOOR` (the policy cuts it), with the
-        escape count of ``policy_tuning.ngram_escape`` (:func:`ngram_chain`)."""
-        return ngram_chain(context, st.ngrams, room, NGRAM_FLOOR, self.tuning.ngram_escape)
+        escape count where ``policy_tuning.ngram_escape`` asks for it (:func:`ngram_chain`)."""
+        return ngram_chain(context, st.ngrams, room, NGRAM_FLOOR, self._escape(st))
+
+    def _escape(self, st: _RequestState) -> bool:
+        """Whether the request's n-gram chains score a 3-token context's most frequent
+        continuation ``c / (t + 1)`` (``policy_tuning.ngram_escape``: True, False, or
+        ``"sampled"``: for sampled requests only)."""
+        esc = self.tuning.ngram_escape
+        return esc is True or (esc == "sampled" and st.sampled)
 
     def _row_options(self, r: _Row, has_fused: bool) -> pol.RowOptions:
         """Per available option, the estimated cumulative acceptance of its chain."""
@@ -758,7 +765,7 @@ class TokenSwiftProposer:
                         groups.append(st.ngrams.topk(first, cfg.ngram_topk))
                         skips.append(skip)
                 ch = build_chain(r.context, toks, prob, st.ngrams, groups, r.room, source=source,
-                                 skip_first_gram=skips, escape=self.tuning.ngram_escape)
+                                 skip_first_gram=skips, escape=self._escape(st))
                 chains[idx[k]] = self._cut(ch, r, threshold)
         sampled = [k for k, r in enumerate(sel) if r.state.sampled]
         if sampled:
