@@ -43,7 +43,7 @@ import numpy as np
 
 def replay_tokenswift(prompt: list[int], out: list[int], k: int, costs: dict,
                       calibration=None, observe_past_cut: bool = True, charge: dict | None = None,
-                      ngram_escape: bool = True) -> dict:
+                      ngram_escape: bool = False) -> dict:
     """TokenSwift's n-gram drafting replayed over ``prompt + out`` (greedy, one request).
 
     As the proposer does, a step whose drafts were all accepted (or that drafted none)
@@ -53,8 +53,9 @@ def replay_tokenswift(prompt: list[int], out: list[int], k: int, costs: dict,
     (default: a fresh ``Calibration(positions=k)``, as the proposer's; it is updated in
     place). ``charge``: the costs each step is charged (default ``costs``, the ones the
     policy decides with): a policy that misprices a draft token, replayed.
-    ``ngram_escape``: as ``policy_tuning.ngram_escape`` (a 3-token context's most frequent
-    continuation scored ``c / (t + 1)``; False: ``c / t``).
+    ``ngram_escape``: as ``policy_tuning.ngram_escape`` true (a 3-token context's most
+    frequent continuation scored ``c / (t + 1)``); False (the default, as the proposer
+    does for greedy requests by default): ``c / t``.
 
     Returns:
         ``{"steps", "drafted", "accepted", "ms", "steps_at"}``: engine steps after the
@@ -214,8 +215,9 @@ def main() -> None:
                     help="the costs TokenSwift's policy decides with, in ms (default: --costs, which every step is charged)")
     ap.add_argument("--no-observe-past-cut", action="store_true",
                     help="as policy_tuning.observe_past_cut false: the calibration books verified tokens only")
-    ap.add_argument("--no-ngram-escape", action="store_true",
-                    help="as policy_tuning.ngram_escape false: a 3-token context's continuation is scored c/t, not c/(t+1)")
+    ap.add_argument("--ngram-escape", action="store_true",
+                    help="as policy_tuning.ngram_escape true: a 3-token context's continuation is scored c/(t+1), not c/t "
+                         "(the default \"sampled\" leaves greedy requests at c/t)")
     ap.add_argument("--plot", default=None, metavar="PNG", help="steps against generated tokens (first sequence)")
     args = ap.parse_args()
     if args.generate:
@@ -237,7 +239,7 @@ def main() -> None:
             out = sq["out"][:n]
             rs = {"tokenswift": replay_tokenswift(sq["prompt"], out, args.k, decide, charge=costs,
                                                   observe_past_cut=not args.no_observe_past_cut,
-                                                  ngram_escape=not args.no_ngram_escape)}
+                                                  ngram_escape=args.ngram_escape)}
             try:
                 rs["suffix"] = replay_suffix(sq["prompt"], out, args.k, costs)
             except ImportError:
