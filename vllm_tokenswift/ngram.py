@@ -410,13 +410,13 @@ class NGramTable:
         conditional frequency ``c / t`` (``c``: that n-gram's count, ``t``: the context's),
         or with ``escape`` ``c / (t + 1)``, which keeps one pseudo-count for a continuation
         not seen yet (PPM's escape method A), so a context seen once says 1/2 where the
-        frequency says 1. The adaptive policy's chains use the latter: a 3-token context
-        seen once in the prompt is weak evidence, yet its frequency of 1.0 fell in the
+        frequency says 1. The adaptive policy's chains use the latter where
+        ``policy_tuning.ngram_escape`` asks (by default for sampled requests only): a
+        3-token context seen once is weak evidence, yet its frequency of 1.0 fell in the
         confidence bin that looping text fills with accepted tokens (calibrated 0.96), and
-        8-token chains from such contexts were verified and rejected at their first token
-        before the output looped (replayed on SmolLM2's greedy outputs: 2.5–3.6% fewer
-        draft tokens verified, 0.6–0.9% less modelled time; see
-        ``examples/greedy_replay.py``).
+        8-token chains from such contexts were verified and rejected at their first token.
+        Under the paper's sampling at 2K it halved the draft tokens verified; for greedy
+        requests at batch 8 it cost 4% more steps (README benchmark notes).
 
         Args:
             context: at least ``n-1`` preceding token ids (only the last ``n-1`` are used).
