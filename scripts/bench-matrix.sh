@@ -10,7 +10,8 @@
 #   BLOCK   any of: 2k 6k ablations b8 yarn tiny16k k16 (default: all, in this order), or
 #           engines: the settings whose one-round verdicts were within a few percent, rerun on
 #           fresh engine instances (--engines; not in the default list: ~3 h), or
-#           tuning: the adaptive policy's tuning defaults against the earlier behaviour (~4 h)
+#           tuning: the adaptive policy's tuning defaults against the earlier behaviour (~4 h), or
+#           refresh: the headline table at one commit, policy=paper included (~5 h)
 #
 # Time on the 2-core CPU (AR about 15 tok/s at 2K context): 2k ~40 min, 6k ~65 min,
 # ablations ~30 min, b8 ~40 min, yarn ~40 min, tiny16k ~25 min, k16 ~15 min; on the faster
@@ -97,6 +98,21 @@ for b in "${BLOCKS[@]}"; do
         run 6k-paper-escape-ab --methods ar,tokenswift,tokenswift-noesc \
             --method-config "tokenswift-noesc={\"method\": \"tokenswift\", \"model\": \"$HEADS\", \"num_speculative_tokens\": 8, \"tokenswift\": {\"kv_budget\": 1024, \"policy_tuning\": {\"ngram_escape\": false}}}" \
             --gen-lens 6144 --batch-sizes 1 --sampling paper --repeats 1 --prefix-len 2048 --kv-cache-gb 0.5 ;;
+    refresh)  # the headline table again at one commit, with the paper's policy beside the adaptive one
+        # (~5 h in all; a block holds 6 engines at a 0.5 GiB KV cache, 5 at batch 8's 1.25 GiB)
+        run refresh-2k --methods "$PEERS,tokenswift-paper" --gen-lens 2048 --batch-sizes 1 \
+            --sampling greedy,paper --repeats 2 --prefix-len 2048 --kv-cache-gb 0.5
+        run refresh-b8 --methods "$PEERS" --gen-lens 1024 --batch-sizes 8 --sampling greedy,paper \
+            --repeats 1 --prefix-len 2048 --kv-cache-gb 1.25
+        run refresh-b8-paper-policy --methods ar,tokenswift-paper --gen-lens 1024 --batch-sizes 8 \
+            --sampling greedy,paper --repeats 1 --prefix-len 2048 --kv-cache-gb 1.25
+        run refresh-6k --methods "$PEERS,tokenswift-paper" --gen-lens 6144 --batch-sizes 1 \
+            --sampling greedy,paper --repeats 1 --prefix-len 2048 --kv-cache-gb 0.5
+        run refresh-yarn-12k --methods ar,tokenswift,tokenswift-paper,ngram,ngram-best,suffix \
+            --gen-lens 12288 --batch-sizes 1 --sampling paper --repeats 1 --prefix-len 2048 --yarn 2 \
+            --kv-cache-gb 0.75
+        run refresh-tiny-16k --model tiny --k 4 --methods "$PEERS,tokenswift-paper" --gen-lens 16384 \
+            --batch-sizes 1 --sampling greedy,paper --repeats 1 --prefix-len 2048 --kv-cache-gb 0.5 ;;
     k16) run k16-2k --k 16 --methods ar,tokenswift,suffix-16 \
             --method-config 'suffix-16={"method": "suffix", "num_speculative_tokens": 16, "suffix_decoding_max_cached_requests": 0}' \
             --gen-lens 2048 --batch-sizes 1 --sampling greedy --repeats 2 --prefix-len 2048 --kv-cache-gb 0.5 ;;

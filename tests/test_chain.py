@@ -70,7 +70,7 @@ def test_ngram_chain_for_adaptive_drafting():
 
     table = NGramTable(3)
     table.extend([5, 6, 7, 8] * 5)  # after (7, 8) always 5 (4 times), after (8, 5) always 6 (4), ...
-    ch = ngram_chain([7, 8], table, max_len=4, min_conf=0.3)
+    ch = ngram_chain([7, 8], table, max_len=4, min_conf=0.3, escape=True)
     assert ch.tokens == [5, 6, 7, 8]
     assert ch.sources == [SOURCE_NGRAM] * 4
     # each confidence keeps one count for a continuation not seen yet, c / (c + 1):
@@ -79,7 +79,7 @@ def test_ngram_chain_for_adaptive_drafting():
     assert ch.expected_len == pytest.approx(0.8 + 0.64 + 0.64 * 5 / 6 + 0.64 * 25 / 36)
     plain = ngram_chain([7, 8], table, max_len=4, min_conf=0.3, escape=False)
     assert plain.tokens == [5, 6, 7, 8] and plain.expected_len == pytest.approx(4.0)
-    assert ngram_chain([1, 2], table, max_len=4, min_conf=0.3).tokens == []  # unseen context
+    assert ngram_chain([1, 2], table, max_len=4, min_conf=0.3, escape=True).tokens == []  # unseen context
 
 
 def test_ngram_chain_takes_the_branch_the_long_context_took():
@@ -92,7 +92,7 @@ def test_ngram_chain_takes_the_branch_the_long_context_took():
 
     table = NGramTable(3, long_n=4)
     table.extend([7, 8, 3, 4, 5, 0, 7, 8, 3, 4, 5, 0, 1, 2, 3, 4, 9, 0, 1, 2, 3, 4])
-    ch = ngram_chain(table.tokens[-4:], table, max_len=3, min_conf=0.01)
+    ch = ngram_chain(table.tokens[-4:], table, max_len=3, min_conf=0.01, escape=True)
     assert ch.tokens == [9, 0, 1]
     # 9: (1, 2, 3, 4) never recurred, so its record is the 4-token contexts' rate alone:
     # 4 recurrences, 3 followed as before ((3, 4, 5, 0) went on with 1, not 7),
@@ -103,7 +103,7 @@ def test_ngram_chain_takes_the_branch_the_long_context_took():
     # without the long index the most frequent continuation wins
     short = NGramTable(3, long_n=0)
     short.extend(table.tokens)
-    assert ngram_chain(short.tokens[-4:], short, max_len=3, min_conf=0.01).tokens == [5, 0, 7]
+    assert ngram_chain(short.tokens[-4:], short, max_len=3, min_conf=0.01, escape=True).tokens == [5, 0, 7]
 
 
 def test_build_chain_extends_past_the_heads_along_the_long_context_branch():
@@ -116,7 +116,7 @@ def test_build_chain_extends_past_the_heads_along_the_long_context_branch():
     table.extend([7, 8, 3, 4, 5, 0, 7, 8, 3, 4, 5, 0, 1, 2, 3, 4, 9, 0, 1, 2, 3])
     # one draft distribution, certain of 4; the chain continues from (1, 2, 3, 4)
     ch = build_chain(table.tokens[-4:], [[4]], probs_from([{4: 1.0}]), table, [[]], max_len=4,
-                     min_conf=0.01)
+                     min_conf=0.01, escape=True)
     assert ch.tokens == [4, 9, 0, 1]
     assert ch.sources == [SOURCE_HEADS, SOURCE_NGRAM, SOURCE_NGRAM, SOURCE_NGRAM]
     # q of the head token mixes p = 1 with the n-gram frequency of 4 after (2, 3): 1.0

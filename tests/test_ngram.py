@@ -190,14 +190,14 @@ def test_ngram_chain_trusts_a_short_context_as_far_as_its_record_or_its_length_e
     t = NGramTable(4)
     t.extend([1, 2, 9, 5, 1, 2, 9, 6, 1, 2, 9])
     # (7, 1, 2) never occurred; (1, 2) was followed by 9 every time: record (2, 2) -> 2/3
-    ch = ngram_chain([7, 1, 2], t, max_len=1, min_conf=0.05)
+    ch = ngram_chain([7, 1, 2], t, max_len=1, min_conf=0.05, escape=True)
     assert ch.tokens == [9] and ch.confs == [pytest.approx(2 / 3)]
     # a fresh request: (1, 2) seen once, no short context recurred yet: rate 1/2; then
     # the 3-token context (1, 2, 9), seen once, followed by 5: 1 / (1 + 1) with the
     # escape count, 1/1 without
     fresh = NGramTable(4)
     fresh.extend([1, 2, 9, 5])
-    ch = ngram_chain([7, 1, 2], fresh, max_len=2, min_conf=0.05)
+    ch = ngram_chain([7, 1, 2], fresh, max_len=2, min_conf=0.05, escape=True)
     assert ch.tokens == [9, 5] and ch.confs == [pytest.approx(0.5), pytest.approx(0.5)]
     ch = ngram_chain([7, 1, 2], fresh, max_len=2, min_conf=0.05, escape=False)
     assert ch.tokens == [9, 5] and ch.confs == [pytest.approx(0.5), pytest.approx(1.0)]
@@ -206,10 +206,10 @@ def test_ngram_chain_trusts_a_short_context_as_far_as_its_record_or_its_length_e
     branchy = NGramTable(4)
     branchy.extend([1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2, 6, 8, 9, 10, 0])
     assert branchy.level_record[2] == [3, 0]
-    assert ngram_chain([7, 8, 9], branchy, max_len=2, min_conf=0.3).tokens == []
-    ch = ngram_chain([7, 8, 9], branchy, max_len=2, min_conf=0.09)
+    assert ngram_chain([7, 8, 9], branchy, max_len=2, min_conf=0.3, escape=True).tokens == []
+    ch = ngram_chain([7, 8, 9], branchy, max_len=2, min_conf=0.09, escape=True)
     assert ch.tokens == [10, 0] and ch.confs == [pytest.approx(0.2), pytest.approx(0.5)]
-    assert ngram_chain([7, 8, 9], branchy, max_len=2, min_conf=0.11).tokens == [10]
+    assert ngram_chain([7, 8, 9], branchy, max_len=2, min_conf=0.11, escape=True).tokens == [10]
 
 
 def test_recent_next_tells_a_repeated_phrase_apart_by_the_longer_context():

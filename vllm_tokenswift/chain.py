@@ -279,7 +279,7 @@ def extend_chain(chain: Chain, context: list[int], table: NGramTable, max_len: i
 
 
 def ngram_chain(context: list[int], table: NGramTable, max_len: int, min_conf: float,
-                escape: bool = True) -> Chain:
+                escape: bool = False) -> Chain:
     """Chain from the n-gram table alone (no draft forward): repeatedly, the continuation
     of the longest matched long context (:meth:`NGramTable.recent_next`: the token after
     its latest earlier occurrence, or at a branch point its most frequent continuation),
@@ -317,7 +317,7 @@ def build_chain(context: Sequence[int], top_tokens: Sequence[Sequence[int]],
                 prob: Callable[[int, int], float | None], table: NGramTable | None,
                 grams: Sequence[Sequence[tuple[tuple[int, ...], int]]], max_len: int,
                 source: int = SOURCE_HEADS, mix: float = DEFAULT_MIX, min_conf: float = 0.05,
-                skip_first_gram: Sequence[bool] = (), escape: bool = True) -> Chain:
+                skip_first_gram: Sequence[bool] = (), escape: bool = False) -> Chain:
     """Best draft chain from ``D`` draft distributions plus n-gram candidates, in
     O(D·w + k·n) dictionary lookups (the adaptive policy's chain builder).
 
