@@ -104,6 +104,8 @@ for b in "${BLOCKS[@]}"; do
             --sampling greedy,paper --repeats 2 --prefix-len 2048 --kv-cache-gb 0.5
         run refresh-b8 --methods "$PEERS" --gen-lens 1024 --batch-sizes 8 --sampling greedy,paper \
             --repeats 1 --prefix-len 2048 --kv-cache-gb 1.25
+        run refresh-b8-paper-recheck --methods ar,tokenswift,ngram-best --gen-lens 1024 --batch-sizes 8 \
+            --sampling paper --repeats 1 --prefix-len 2048 --kv-cache-gb 1.25   # refresh-b8's paper miss, fresh engines
         run refresh-b8-paper-policy --methods ar,tokenswift-paper --gen-lens 1024 --batch-sizes 8 \
             --sampling greedy,paper --repeats 1 --prefix-len 2048 --kv-cache-gb 1.25
         run refresh-6k --methods "$PEERS,tokenswift-paper" --gen-lens 6144 --batch-sizes 1 \
