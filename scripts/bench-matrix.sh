@@ -28,6 +28,13 @@ BLOCKS=("$@")
 TS=.venv/bin/vllm-tokenswift
 HEADS=$PWD/vllm_tokenswift/assets/smollm2-heads
 PEERS=ar,tokenswift,ngram,ngram-best,suffix
+# each setting's arguments, shared by its own block and by `refresh`
+SET_2K=(--gen-lens 2048 --batch-sizes 1 --sampling greedy,paper --repeats 2 --prefix-len 2048 --kv-cache-gb 0.5)
+SET_6K=(--gen-lens 6144 --batch-sizes 1 --sampling greedy,paper --repeats 1 --prefix-len 2048 --kv-cache-gb 0.5)
+SET_B8=(--gen-lens 1024 --batch-sizes 8 --sampling greedy,paper --repeats 1 --prefix-len 2048 --kv-cache-gb 1.25)
+SET_YARN=(--gen-lens 12288 --batch-sizes 1 --sampling paper --repeats 1 --prefix-len 2048 --yarn 2 --kv-cache-gb 0.75)
+SET_TINY16K=(--model tiny --k 4 --gen-lens 16384 --batch-sizes 1 --sampling greedy,paper --repeats 1 --prefix-len 2048 \
+             --kv-cache-gb 0.5)
 
 run() {  # run NAME ARGS...: one invocation unless its results are already there
   local name=$1; shift
@@ -40,10 +47,8 @@ run() {  # run NAME ARGS...: one invocation unless its results are already there
 
 for b in "${BLOCKS[@]}"; do
   case "$b" in
-    2k) run 2k --methods "$PEERS" --gen-lens 2048 --batch-sizes 1 --sampling greedy,paper \
-            --repeats 2 --prefix-len 2048 --kv-cache-gb 0.5 ;;
-    6k) run 6k --methods "$PEERS" --gen-lens 6144 --batch-sizes 1 --sampling greedy,paper \
-            --repeats 1 --prefix-len 2048 --kv-cache-gb 0.5 ;;
+    2k) run 2k --methods "$PEERS" "${SET_2K[@]}" ;;
+    6k) run 6k --methods "$PEERS" "${SET_6K[@]}" ;;
     ablations)
         run ablations-a --methods ar,tokenswift-paper,tokenswift-noheads,tokenswift-nofused \
             --gen-lens 2048 --batch-sizes 1 --sampling greedy,paper --repeats 1 --prefix-len 2048 \
@@ -51,12 +56,9 @@ for b in "${BLOCKS[@]}"; do
         run ablations-b --methods ar,tokenswift-k0,tokenswift-fullkv,tokenswift-static \
             --gen-lens 2048 --batch-sizes 1 --sampling greedy,paper --repeats 1 --prefix-len 2048 \
             --kv-cache-gb 0.5 ;;
-    b8) run b8 --methods "$PEERS" --gen-lens 1024 --batch-sizes 8 --sampling greedy,paper \
-            --repeats 1 --prefix-len 2048 --kv-cache-gb 1.25 ;;
-    yarn) run yarn-12k --methods ar,tokenswift --gen-lens 12288 --batch-sizes 1 --sampling paper \
-            --repeats 1 --prefix-len 2048 --yarn 2 --kv-cache-gb 0.75 ;;
-    tiny16k) run tiny-16k --model tiny --k 4 --methods ar,tokenswift,ngram,suffix --gen-lens 16384 \
-            --batch-sizes 1 --sampling greedy,paper --repeats 1 --prefix-len 2048 --kv-cache-gb 0.5 ;;
+    b8) run b8 --methods "$PEERS" "${SET_B8[@]}" ;;
+    yarn) run yarn-12k --methods ar,tokenswift "${SET_YARN[@]}" ;;
+    tiny16k) run tiny-16k --methods ar,tokenswift,ngram,suffix "${SET_TINY16K[@]}" ;;
     engines)
         run 6k-greedy-engines --engines 3 --methods ar,tokenswift,suffix --gen-lens 6144 --batch-sizes 1 \
             --sampling greedy --repeats 1 --prefix-len 2048 --kv-cache-gb 0.5
@@ -100,21 +102,14 @@ for b in "${BLOCKS[@]}"; do
             --gen-lens 6144 --batch-sizes 1 --sampling paper --repeats 1 --prefix-len 2048 --kv-cache-gb 0.5 ;;
     refresh)  # the headline table again at one commit, with the paper's policy beside the adaptive one
         # (~5 h in all; a block holds 6 engines at a 0.5 GiB KV cache, 5 at batch 8's 1.25 GiB)
-        run refresh-2k --methods "$PEERS,tokenswift-paper" --gen-lens 2048 --batch-sizes 1 \
-            --sampling greedy,paper --repeats 2 --prefix-len 2048 --kv-cache-gb 0.5
-        run refresh-b8 --methods "$PEERS" --gen-lens 1024 --batch-sizes 8 --sampling greedy,paper \
-            --repeats 1 --prefix-len 2048 --kv-cache-gb 1.25
+        run refresh-2k --methods "$PEERS,tokenswift-paper" "${SET_2K[@]}"
+        run refresh-b8 --methods "$PEERS" "${SET_B8[@]}"
         run refresh-b8-paper-recheck --methods ar,tokenswift,ngram-best --gen-lens 1024 --batch-sizes 8 \
             --sampling paper --repeats 1 --prefix-len 2048 --kv-cache-gb 1.25   # refresh-b8's paper miss, fresh engines
-        run refresh-b8-paper-policy --methods ar,tokenswift-paper --gen-lens 1024 --batch-sizes 8 \
-            --sampling greedy,paper --repeats 1 --prefix-len 2048 --kv-cache-gb 1.25
-        run refresh-6k --methods "$PEERS,tokenswift-paper" --gen-lens 6144 --batch-sizes 1 \
-            --sampling greedy,paper --repeats 1 --prefix-len 2048 --kv-cache-gb 0.5
-        run refresh-yarn-12k --methods ar,tokenswift,tokenswift-paper,ngram,ngram-best,suffix \
-            --gen-lens 12288 --batch-sizes 1 --sampling paper --repeats 1 --prefix-len 2048 --yarn 2 \
-            --kv-cache-gb 0.75
-        run refresh-tiny-16k --model tiny --k 4 --methods "$PEERS,tokenswift-paper" --gen-lens 16384 \
-            --batch-sizes 1 --sampling greedy,paper --repeats 1 --prefix-len 2048 --kv-cache-gb 0.5 ;;
+        run refresh-b8-paper-policy --methods ar,tokenswift-paper "${SET_B8[@]}"
+        run refresh-6k --methods "$PEERS,tokenswift-paper" "${SET_6K[@]}"
+        run refresh-yarn-12k --methods "$PEERS,tokenswift-paper" "${SET_YARN[@]}"
+        run refresh-tiny-16k --methods "$PEERS,tokenswift-paper" "${SET_TINY16K[@]}" ;;
     k16) run k16-2k --k 16 --methods ar,tokenswift,suffix-16 \
             --method-config 'suffix-16={"method": "suffix", "num_speculative_tokens": 16, "suffix_decoding_max_cached_requests": 0}' \
             --gen-lens 2048 --batch-sizes 1 --sampling greedy --repeats 2 --prefix-len 2048 --kv-cache-gb 0.5 ;;
