@@ -11,7 +11,7 @@
 #           engines: the settings whose one-round verdicts were within a few percent, rerun on
 #           fresh engine instances (--engines; not in the default list: ~3 h), or
 #           tuning: the adaptive policy's tuning defaults against the earlier behaviour (~4 h), or
-#           refresh: the headline table at one commit, policy=paper included (~5 h)
+#           refresh: the headline table at one commit, policy=paper included (~6 h)
 #
 # Time on the 2-core CPU (AR about 15 tok/s at 2K context): 2k ~40 min, 6k ~65 min,
 # ablations ~30 min, b8 ~40 min, yarn ~40 min, tiny16k ~25 min, k16 ~15 min; on the faster
@@ -106,6 +106,10 @@ for b in "${BLOCKS[@]}"; do
         run refresh-b8 --methods "$PEERS" "${SET_B8[@]}"
         run refresh-b8-paper-recheck --methods ar,tokenswift,ngram-best --gen-lens 1024 --batch-sizes 8 \
             --sampling paper --repeats 1 --prefix-len 2048 --kv-cache-gb 1.25   # refresh-b8's paper miss, fresh engines
+        # the step-cost A/B of 2026-11-28 put an empty proposer's batch-8 step level with AR's (1.003x) and
+        # one AR instance 10% faster than three TokenSwift ones: rerun every peer on 2 fresh instances
+        run refresh-b8-paper-engines --methods "$PEERS" --gen-lens 1024 --batch-sizes 8 --sampling paper \
+            --repeats 1 --prefix-len 2048 --kv-cache-gb 1.25 --engines 2
         run refresh-b8-paper-policy --methods ar,tokenswift-paper "${SET_B8[@]}"
         run refresh-6k --methods "$PEERS,tokenswift-paper" "${SET_6K[@]}"
         run refresh-yarn-12k --methods "$PEERS,tokenswift-paper" "${SET_YARN[@]}"
