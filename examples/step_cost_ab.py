@@ -25,10 +25,16 @@ every mode alike:
 
 The modes other than ``ts`` are set up by replacing a method of the proposer in the
 worker (``collective_rpc`` with a callable); nothing of the package is changed.
-Each timed run generates ``--new-tokens`` tokens; the figure is decode time per
-token (the run's wall time minus its time to first token; the prompt's KV blocks
-are in the prefix cache after the warm-up, so the prefill is short anyway). Prints ms per token per run and each mode's median ratio
-to ``ar``.
+Each timed run generates ``--new-tokens`` tokens per request; the figure is decode
+time per token: for each request, the engine core's time from its first token to its
+last over its tokens after the first, median over the run's requests (the prompt's KV
+blocks are in the prefix cache after the warm-up, so the prefill is short anyway). Before
+2026-11-28 it was the run's wall time minus the first request's time to first token; at
+batch > 1 that is wrong whenever the first request is not the last to start decoding (one
+AR instance gave its first request its first token 2.5 s after the others', and came out
+10% faster per token by that formula while its whole run took as long as the others').
+Each run also records its wall time per token. Prints ms per token per run and each mode's
+median ratio to ``ar``.
 
     python examples/step_cost_ab.py --prefix-len 6000 --new-tokens 300 --repeats 4
 
@@ -66,6 +72,22 @@ def _patch_fullpen(worker):
     pen.window_tokens = window_tokens
     window_state_class().rest_needed = lambda self, rows: True
     return True
+
+
+def _decode_ms_per_token(results) -> float | None:
+    """Median over ``results`` (vLLM ``RequestOutput``s of one run) of each request's decode
+    time per token in milliseconds: ``(last_token_ts - first_token_ts) / (n - 1)`` from the
+    engine core's ``RequestStateStats`` (monotonic seconds), ``n`` its generated tokens.
+    None when a request has no such timestamps (log stats off) or fewer than 2 tokens."""
+    per_req = []
+    for r in results:
+        m = getattr(r, "metrics", None)
+        first, last = getattr(m, "first_token_ts", 0.0), getattr(m, "last_token_ts", 0.0)
+        n = len(r.outputs[0].token_ids)
+        if not (first and last and last > first and n > 1):
+            return None
+        per_req.append(1000.0 * (last - first) / (n - 1))
+    return statistics.median(per_req)
 
 
 def _patch_nodraft(worker):
@@ -152,11 +174,15 @@ def main() -> None:
                     raise SystemExit("requests of one run generated different lengths (ignore_eos is set)")
                 ttft = getattr(getattr(res, "metrics", None), "first_token_latency", None) or 0.0
                 # decode time per token of one request = per engine step of a plain decoder
-                ms = 1000 * (wall - ttft) / max(n - 1, 1)
+                ms = _decode_ms_per_token(results)
+                if ms is None:   # vLLM recorded no timestamps: the earlier, batch-1 formula
+                    ms = 1000 * (wall - ttft) / max(n - 1, 1)
                 runs.append({"mode": mode, "repeat": rep, "tokens": n, "batch_size": args.batch_size,
-                             "wall_s": wall, "ttft_s": ttft, "decode_ms_per_tok": ms})
+                             "wall_s": wall, "ttft_s": ttft, "decode_ms_per_tok": ms,
+                             "wall_ms_per_tok": 1000 * wall / n})
                 unit = "ms/token" if args.batch_size == 1 else f"ms/token of each of {args.batch_size} requests"
-                print(f"repeat {rep}  {mode:<11} {ms:7.2f} {unit} (ttft {ttft:.2f} s)", file=out, flush=True)
+                print(f"repeat {rep}  {mode:<11} {ms:7.2f} {unit} (ttft {ttft:.2f} s, "
+                      f"wall {1000 * wall / n:.2f} ms per token)", file=out, flush=True)
         ar = [r["decode_ms_per_tok"] for r in runs if r["mode"] == "ar"]
         for mode in modes:
             ms = [r["decode_ms_per_tok"] for r in runs if r["mode"] == mode]
@@ -167,6 +193,14 @@ def main() -> None:
                 line += (f"  speed vs ar: median {statistics.median(ratios):.3f}x "
                          f"(per round: {', '.join(f'{x:.3f}' for x in ratios)})")
             print(line, file=out, flush=True)
+        war = [r["wall_ms_per_tok"] for r in runs if r["mode"] == "ar"]
+        if war:
+            for mode in modes:
+                wm = [r["wall_ms_per_tok"] for r in runs if r["mode"] == mode]
+                ratios = [a / m for a, m in zip(war, wm)]
+                print(f"{mode:<11} whole run (prefill included): median {statistics.median(wm):7.2f} ms/token, "
+                      f"{statistics.median(ratios):.3f}x ar (per round: {', '.join(f'{x:.3f}' for x in ratios)})",
+                      file=out, flush=True)
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump({"model": args.model, "prefix_len": args.prefix_len, "new_tokens": args.new_tokens,
