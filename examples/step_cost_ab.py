@@ -31,8 +31,9 @@ last over its tokens after the first, median over the run's requests (the prompt
 blocks are in the prefix cache after the warm-up, so the prefill is short anyway). Before
 2026-11-28 it was the run's wall time minus the first request's time to first token; at
 batch > 1 that is wrong whenever the first request is not the last to start decoding (one
-AR instance gave its first request its first token 2.5 s after the others', and came out
-10% faster per token by that formula while its whole run took as long as the others').
+AR instance's first request had its first token after 3.0 s, against 0.5-0.6 s in the
+other engines, and AR came out 10% faster per token by that formula while its whole runs
+took no longer than theirs).
 Each run also records its wall time per token. Prints ms per token per run and each mode's
 median ratio to ``ar``.
 
@@ -88,6 +89,20 @@ def _decode_ms_per_token(results) -> float | None:
             return None
         per_req.append(1000.0 * (last - first) / (n - 1))
     return statistics.median(per_req)
+
+
+def _print_ratios(runs: list[dict], modes: list[str], key: str, label: str, out) -> None:
+    """One line per mode: the median of ``key`` (ms per token) over its runs and its speed
+    relative to ``ar``, paired by repeat (the runs of one round are adjacent in time)."""
+    ar = [r[key] for r in runs if r["mode"] == "ar"]
+    for mode in modes:
+        ms = [r[key] for r in runs if r["mode"] == mode]
+        line = f"{mode:<11}{label} median {statistics.median(ms):7.2f} ms/token"
+        if ar:
+            ratios = [a / m for a, m in zip(ar, ms)]
+            line += (f"  speed vs ar: median {statistics.median(ratios):.3f}x "
+                     f"(per round: {', '.join(f'{x:.3f}' for x in ratios)})")
+        print(line, file=out, flush=True)
 
 
 def _patch_nodraft(worker):
@@ -183,24 +198,8 @@ def main() -> None:
                 unit = "ms/token" if args.batch_size == 1 else f"ms/token of each of {args.batch_size} requests"
                 print(f"repeat {rep}  {mode:<11} {ms:7.2f} {unit} (ttft {ttft:.2f} s, "
                       f"wall {1000 * wall / n:.2f} ms per token)", file=out, flush=True)
-        ar = [r["decode_ms_per_tok"] for r in runs if r["mode"] == "ar"]
-        for mode in modes:
-            ms = [r["decode_ms_per_tok"] for r in runs if r["mode"] == mode]
-            line = f"{mode:<11} median {statistics.median(ms):7.2f} ms/token"
-            if ar:
-                # paired by repeat: the runs of one round are adjacent in time
-                ratios = [a / m for a, m in zip(ar, ms)]
-                line += (f"  speed vs ar: median {statistics.median(ratios):.3f}x "
-                         f"(per round: {', '.join(f'{x:.3f}' for x in ratios)})")
-            print(line, file=out, flush=True)
-        war = [r["wall_ms_per_tok"] for r in runs if r["mode"] == "ar"]
-        if war:
-            for mode in modes:
-                wm = [r["wall_ms_per_tok"] for r in runs if r["mode"] == mode]
-                ratios = [a / m for a, m in zip(war, wm)]
-                print(f"{mode:<11} whole run (prefill included): median {statistics.median(wm):7.2f} ms/token, "
-                      f"{statistics.median(ratios):.3f}x ar (per round: {', '.join(f'{x:.3f}' for x in ratios)})",
-                      file=out, flush=True)
+        _print_ratios(runs, modes, "decode_ms_per_tok", "", out)
+        _print_ratios(runs, modes, "wall_ms_per_tok", " whole run (prefill included):", out)
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump({"model": args.model, "prefix_len": args.prefix_len, "new_tokens": args.new_tokens,

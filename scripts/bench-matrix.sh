@@ -102,15 +102,13 @@ for b in "${BLOCKS[@]}"; do
             --method-config "tokenswift-noesc={\"method\": \"tokenswift\", \"model\": \"$HEADS\", \"num_speculative_tokens\": 8, \"tokenswift\": {\"kv_budget\": 1024, \"policy_tuning\": {\"ngram_escape\": false}}}" \
             --gen-lens 6144 --batch-sizes 1 --sampling paper --repeats 1 --prefix-len 2048 --kv-cache-gb 0.5 ;;
     refresh)  # the headline table again at one commit, with the paper's policy beside the adaptive one
-        # (~5 h in all; a block holds 6 engines at a 0.5 GiB KV cache, 5 at batch 8's 1.25 GiB)
+        # (~6 h in all; a block holds 6 engines at a 0.5 GiB KV cache, 5 at batch 8's 1.25 GiB)
         run refresh-2k --methods "$PEERS,tokenswift-paper" "${SET_2K[@]}"
         run refresh-b8 --methods "$PEERS" "${SET_B8[@]}"
-        run refresh-b8-paper-recheck --methods ar,tokenswift,ngram-best --gen-lens 1024 --batch-sizes 8 \
-            --sampling paper --repeats 1 --prefix-len 2048 --kv-cache-gb 1.25   # refresh-b8's paper miss, fresh engines
-        # the step-cost A/B of 2026-11-28 put an empty proposer's batch-8 step level with AR's (1.003x) and
-        # one AR instance 10% faster than three TokenSwift ones: rerun every peer on 2 fresh instances
-        run refresh-b8-paper-engines --methods "$PEERS" --gen-lens 1024 --batch-sizes 8 --sampling paper \
-            --repeats 1 --prefix-len 2048 --kv-cache-gb 1.25 --engines 2
+        # refresh-b8's paper miss, on fresh engines (the later --sampling overrides SET_B8's)
+        run refresh-b8-paper-recheck --methods ar,tokenswift,ngram-best "${SET_B8[@]}" --sampling paper
+        # and every peer on 2 fresh instances: one instance's round at batch 8 is not enough
+        run refresh-b8-paper-engines --methods "$PEERS" "${SET_B8[@]}" --sampling paper --engines 2
         run refresh-b8-paper-policy --methods ar,tokenswift-paper "${SET_B8[@]}"
         run refresh-6k --methods "$PEERS,tokenswift-paper" "${SET_6K[@]}"
         run refresh-yarn-12k --methods "$PEERS,tokenswift-paper" "${SET_YARN[@]}"

@@ -31,3 +31,13 @@ def test_decode_time_is_none_without_timestamps_or_tokens(ab):
     assert ab._decode_ms_per_token([_out(1.0, 2.0, 1)]) is None        # one token: no decode
     assert ab._decode_ms_per_token([_out(1.0, 2.0, 11), _out(0.0, 0.0, 11)]) is None
     assert ab._decode_ms_per_token([_out(1.0, 2.0, 11)]) == pytest.approx(100.0)
+
+
+def test_ratio_lines_pair_runs_by_repeat(ab, capsys):
+    import sys
+    runs = [{"mode": "ar", "wall_ms_per_tok": 100.0}, {"mode": "ts", "wall_ms_per_tok": 125.0},
+            {"mode": "ar", "wall_ms_per_tok": 120.0}, {"mode": "ts", "wall_ms_per_tok": 120.0}]
+    ab._print_ratios(runs, ["ar", "ts"], "wall_ms_per_tok", " whole run:", sys.stdout)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == ("ts          whole run: median  122.50 ms/token  speed vs ar: median 0.900x "
+                        "(per round: 0.800, 1.000)")
