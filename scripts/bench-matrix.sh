@@ -12,7 +12,7 @@
 #           fresh engine instances (--engines; not in the default list: ~3 h), or
 #           tuning: the adaptive policy's tuning defaults against the earlier behaviour (~4 h), or
 #           refresh: the headline table at one commit, policy=paper included (~6 h), or
-#           policy-paper: the paper's policy beside AR at tiny 16K, 6K and YaRN 12K (~1.5 h)
+#           policy-paper: the paper's policy beside AR at YaRN 12K, 6K and tiny 16K (~1.75 h)
 #
 # Time on the 2-core CPU (AR about 15 tok/s at 2K context): 2k ~40 min, 6k ~65 min,
 # ablations ~30 min, b8 ~40 min, yarn ~40 min, tiny16k ~25 min, k16 ~15 min; on the faster
@@ -115,9 +115,10 @@ for b in "${BLOCKS[@]}"; do
         run refresh-tiny-16k --methods "$PEERS,tokenswift-paper" "${SET_TINY16K[@]}" ;;
     policy-paper)  # the paper's policy (policy: "paper") beside AR at the settings the refresh block
         # has not rerun yet: the column of the headline table, without the peers (~1.5 h)
-        run policy-paper-tiny-16k --methods ar,tokenswift-paper "${SET_TINY16K[@]}"
+        # longest first (~50 min), then 6K (~35 min) and tiny 16K (~20 min)
+        run policy-paper-yarn-12k --methods ar,tokenswift-paper "${SET_YARN[@]}"
         run policy-paper-6k --methods ar,tokenswift-paper "${SET_6K[@]}"
-        run policy-paper-yarn-12k --methods ar,tokenswift-paper "${SET_YARN[@]}" ;;
+        run policy-paper-tiny-16k --methods ar,tokenswift-paper "${SET_TINY16K[@]}" ;;
     k16) run k16-2k --k 16 --methods ar,tokenswift,suffix-16 \
             --method-config 'suffix-16={"method": "suffix", "num_speculative_tokens": 16, "suffix_decoding_max_cached_requests": 0}' \
             --gen-lens 2048 --batch-sizes 1 --sampling greedy --repeats 2 --prefix-len 2048 --kv-cache-gb 0.5 ;;
