@@ -11,7 +11,8 @@
 #           engines: the settings whose one-round verdicts were within a few percent, rerun on
 #           fresh engine instances (--engines; not in the default list: ~3 h), or
 #           tuning: the adaptive policy's tuning defaults against the earlier behaviour (~4 h), or
-#           refresh: the headline table at one commit, policy=paper included (~6 h), or
+#           refresh: the headline table at one commit, policy=paper included (~7 h), or
+#           refresh-yarn: only its YaRN 12K invocation, every peer (~1.9 h), or
 #           policy-paper: the paper's policy beside AR at YaRN 12K, 6K and tiny 16K (~1.75 h)
 #
 # Time on the 2-core CPU (AR about 15 tok/s at 2K context): 2k ~40 min, 6k ~65 min,
@@ -110,11 +111,18 @@ for b in "${BLOCKS[@]}"; do
         # and every peer on 2 fresh instances: one instance's round at batch 8 is not enough
         run refresh-b8-paper-engines --methods "$PEERS" "${SET_B8[@]}" --sampling paper --engines 2
         run refresh-b8-paper-policy --methods ar,tokenswift-paper "${SET_B8[@]}"
-        run refresh-6k --methods "$PEERS,tokenswift-paper" "${SET_6K[@]}"
-        run refresh-yarn-12k --methods "$PEERS,tokenswift-paper" "${SET_YARN[@]}"
-        run refresh-tiny-16k --methods "$PEERS,tokenswift-paper" "${SET_TINY16K[@]}" ;;
-    policy-paper)  # the paper's policy (policy: "paper") beside AR at the settings the refresh block
-        # has not rerun yet: the column of the headline table, without the peers (~1.5 h)
+        # the longer settings with every peer (5 engines each), and the paper's policy beside its
+        # own AR in the policy-paper block's invocations (kept apart so no invocation holds 6 engines)
+        run refresh-6k --methods "$PEERS" "${SET_6K[@]}"
+        run refresh-yarn-12k --methods "$PEERS" "${SET_YARN[@]}"
+        run refresh-tiny-16k --methods "$PEERS" "${SET_TINY16K[@]}"
+        run policy-paper-yarn-12k --methods ar,tokenswift-paper "${SET_YARN[@]}"
+        run policy-paper-6k --methods ar,tokenswift-paper "${SET_6K[@]}"
+        run policy-paper-tiny-16k --methods ar,tokenswift-paper "${SET_TINY16K[@]}" ;;
+    refresh-yarn)  # only the refresh block's YaRN invocation: every peer at YaRN 12K (~1.9 h)
+        run refresh-yarn-12k --methods "$PEERS" "${SET_YARN[@]}" ;;
+    policy-paper)  # the paper's policy (policy: "paper") beside AR at the longer settings (also
+        # run by the refresh block): the status table's last column, without the peers (~1.75 h)
         # longest first (~50 min), then 6K (~35 min) and tiny 16K (~20 min)
         run policy-paper-yarn-12k --methods ar,tokenswift-paper "${SET_YARN[@]}"
         run policy-paper-6k --methods ar,tokenswift-paper "${SET_6K[@]}"
