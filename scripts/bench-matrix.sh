@@ -12,7 +12,7 @@
 #           fresh engine instances (--engines; not in the default list: ~3 h), or
 #           tuning: the adaptive policy's tuning defaults against the earlier behaviour (~4 h), or
 #           refresh: the headline table at one commit, policy=paper included (~7 h), or
-#           refresh-yarn: only its YaRN 12K invocation, every peer (~1.9 h), or
+#           refresh-yarn: only its YaRN 12K invocation, every peer (~2.1 h), or
 #           policy-paper: the paper's policy beside AR at YaRN 12K, 6K and tiny 16K (~1.75 h)
 #
 # Time on the 2-core CPU (AR about 15 tok/s at 2K context): 2k ~40 min, 6k ~65 min,
@@ -45,6 +45,17 @@ run() {  # run NAME ARGS...: one invocation unless its results are already there
   fi
   echo "== $name: $(date -u +%H:%M:%S) vllm-tokenswift bench $*"
   "$TS" bench --interleave --out "$OUT/$name" "$@"
+}
+
+# The refresh block's YaRN 12K invocation, every peer (~2.1 h; also a block of its own).
+refresh_yarn() { run refresh-yarn-12k --methods "$PEERS" "${SET_YARN[@]}"; }
+# The paper's policy (policy: "paper") beside AR at the longer settings, without the peers: the
+# status table's last column (~1.75 h; also run by the refresh block). Longest first (~50 min),
+# then 6K (~35 min) and tiny 16K (~20 min).
+policy_paper() {
+    run policy-paper-yarn-12k --methods ar,tokenswift-paper "${SET_YARN[@]}"
+    run policy-paper-6k --methods ar,tokenswift-paper "${SET_6K[@]}"
+    run policy-paper-tiny-16k --methods ar,tokenswift-paper "${SET_TINY16K[@]}"
 }
 
 for b in "${BLOCKS[@]}"; do
@@ -114,19 +125,11 @@ for b in "${BLOCKS[@]}"; do
         # the longer settings with every peer (5 engines each), and the paper's policy beside its
         # own AR in the policy-paper block's invocations (kept apart so no invocation holds 6 engines)
         run refresh-6k --methods "$PEERS" "${SET_6K[@]}"
-        run refresh-yarn-12k --methods "$PEERS" "${SET_YARN[@]}"
+        refresh_yarn
         run refresh-tiny-16k --methods "$PEERS" "${SET_TINY16K[@]}"
-        run policy-paper-yarn-12k --methods ar,tokenswift-paper "${SET_YARN[@]}"
-        run policy-paper-6k --methods ar,tokenswift-paper "${SET_6K[@]}"
-        run policy-paper-tiny-16k --methods ar,tokenswift-paper "${SET_TINY16K[@]}" ;;
-    refresh-yarn)  # only the refresh block's YaRN invocation: every peer at YaRN 12K (~1.9 h)
-        run refresh-yarn-12k --methods "$PEERS" "${SET_YARN[@]}" ;;
-    policy-paper)  # the paper's policy (policy: "paper") beside AR at the longer settings (also
-        # run by the refresh block): the status table's last column, without the peers (~1.75 h)
-        # longest first (~50 min), then 6K (~35 min) and tiny 16K (~20 min)
-        run policy-paper-yarn-12k --methods ar,tokenswift-paper "${SET_YARN[@]}"
-        run policy-paper-6k --methods ar,tokenswift-paper "${SET_6K[@]}"
-        run policy-paper-tiny-16k --methods ar,tokenswift-paper "${SET_TINY16K[@]}" ;;
+        policy_paper ;;
+    refresh-yarn) refresh_yarn ;;
+    policy-paper) policy_paper ;;
     k16) run k16-2k --k 16 --methods ar,tokenswift,suffix-16 \
             --method-config 'suffix-16={"method": "suffix", "num_speculative_tokens": 16, "suffix_decoding_max_cached_requests": 0}' \
             --gen-lens 2048 --batch-sizes 1 --sampling greedy --repeats 2 --prefix-len 2048 --kv-cache-gb 0.5 ;;
