@@ -38,6 +38,15 @@ SET_YARN=(--gen-lens 12288 --batch-sizes 1 --sampling paper --repeats 1 --prefix
 SET_TINY16K=(--model tiny --k 4 --gen-lens 16384 --batch-sizes 1 --sampling greedy,paper --repeats 1 --prefix-len 2048 \
              --kv-cache-gb 0.5)
 
+# the tuning block's arms: TokenSwift with one policy_tuning switch turned back to its earlier value
+arm() {  # arm NAME TUNING_JSON_MEMBERS: a --method-config value
+  printf '%s={"method": "tokenswift", "model": "%s", "num_speculative_tokens": 8, "tokenswift": {"kv_budget": 1024, "policy_tuning": {%s}}}' \
+    "$1" "$HEADS" "$2"
+}
+EXPLORE=$(arm tokenswift-explore '"explore_beside_ngram": true')
+NOOBS=$(arm tokenswift-noobs '"observe_past_cut": false')
+NOESC=$(arm tokenswift-noesc '"ngram_escape": false')
+
 run() {  # run NAME ARGS...: one invocation unless its results are already there
   local name=$1; shift
   if [ -f "$OUT/$name/results.json" ] && [ -f "$OUT/$name/summary.md" ]; then
@@ -84,35 +93,26 @@ for b in "${BLOCKS[@]}"; do
         run 2k-greedy-engines --engines 2 --methods ar,tokenswift,suffix --gen-lens 2048 --batch-sizes 1 \
             --sampling greedy --repeats 1 --prefix-len 2048 --kv-cache-gb 0.5 ;;
     tuning)   # the policy_tuning defaults against the earlier behaviour, on fresh instances (~30 min each)
+        # (a later --sampling/--repeats overrides the SET_* one)
         run 6k-greedy-explore-ab --engines 2 --methods ar,tokenswift,tokenswift-explore,suffix \
-            --method-config "tokenswift-explore={\"method\": \"tokenswift\", \"model\": \"$HEADS\", \"num_speculative_tokens\": 8, \"tokenswift\": {\"kv_budget\": 1024, \"policy_tuning\": {\"explore_beside_ngram\": true}}}" \
-            --gen-lens 6144 --batch-sizes 1 --sampling greedy --repeats 1 --prefix-len 2048 --kv-cache-gb 0.5
-        run b8-paper-engines3 --engines 2 --methods ar,tokenswift,ngram --gen-lens 1024 --batch-sizes 8 \
-            --sampling paper --repeats 1 --prefix-len 2048 --kv-cache-gb 1.25
+            --method-config "$EXPLORE" "${SET_6K[@]}" --sampling greedy
+        run b8-paper-engines3 --engines 2 --methods ar,tokenswift,ngram "${SET_B8[@]}" --sampling paper
         run b8-greedy-observe-ab --engines 2 --methods ar,tokenswift,tokenswift-noobs,suffix \
-            --method-config "tokenswift-noobs={\"method\": \"tokenswift\", \"model\": \"$HEADS\", \"num_speculative_tokens\": 8, \"tokenswift\": {\"kv_budget\": 1024, \"policy_tuning\": {\"observe_past_cut\": false}}}" \
-            --gen-lens 1024 --batch-sizes 8 --sampling greedy --repeats 1 --prefix-len 2048 --kv-cache-gb 1.25
-        run 2k-paper-observe-ab --methods ar,tokenswift,tokenswift-noobs \
-            --method-config "tokenswift-noobs={\"method\": \"tokenswift\", \"model\": \"$HEADS\", \"num_speculative_tokens\": 8, \"tokenswift\": {\"kv_budget\": 1024, \"policy_tuning\": {\"observe_past_cut\": false}}}" \
-            --gen-lens 2048 --batch-sizes 1 --sampling paper --repeats 2 --prefix-len 2048 --kv-cache-gb 0.5
-        run b8-paper-observe-ab --methods ar,tokenswift,tokenswift-noobs \
-            --method-config "tokenswift-noobs={\"method\": \"tokenswift\", \"model\": \"$HEADS\", \"num_speculative_tokens\": 8, \"tokenswift\": {\"kv_budget\": 1024, \"policy_tuning\": {\"observe_past_cut\": false}}}" \
-            --gen-lens 1024 --batch-sizes 8 --sampling paper --repeats 1 --prefix-len 2048 --kv-cache-gb 1.25
+            --method-config "$NOOBS" "${SET_B8[@]}" --sampling greedy
+        run 2k-paper-observe-ab --methods ar,tokenswift,tokenswift-noobs --method-config "$NOOBS" \
+            "${SET_2K[@]}" --sampling paper
+        run b8-paper-observe-ab --methods ar,tokenswift,tokenswift-noobs --method-config "$NOOBS" \
+            "${SET_B8[@]}" --sampling paper
         run 2k-greedy-escape-ab --engines 2 --methods ar,tokenswift,tokenswift-noesc,suffix \
-            --method-config "tokenswift-noesc={\"method\": \"tokenswift\", \"model\": \"$HEADS\", \"num_speculative_tokens\": 8, \"tokenswift\": {\"kv_budget\": 1024, \"policy_tuning\": {\"ngram_escape\": false}}}" \
-            --gen-lens 2048 --batch-sizes 1 --sampling greedy --repeats 1 --prefix-len 2048 --kv-cache-gb 0.5
-        run 2k-paper-escape-ab --methods ar,tokenswift,tokenswift-noesc \
-            --method-config "tokenswift-noesc={\"method\": \"tokenswift\", \"model\": \"$HEADS\", \"num_speculative_tokens\": 8, \"tokenswift\": {\"kv_budget\": 1024, \"policy_tuning\": {\"ngram_escape\": false}}}" \
-            --gen-lens 2048 --batch-sizes 1 --sampling paper --repeats 2 --prefix-len 2048 --kv-cache-gb 0.5
+            --method-config "$NOESC" "${SET_2K[@]}" --sampling greedy --repeats 1
+        run 2k-paper-escape-ab --methods ar,tokenswift,tokenswift-noesc --method-config "$NOESC" \
+            "${SET_2K[@]}" --sampling paper
         run b8-greedy-escape-ab --engines 2 --methods ar,tokenswift,tokenswift-noesc,suffix \
-            --method-config "tokenswift-noesc={\"method\": \"tokenswift\", \"model\": \"$HEADS\", \"num_speculative_tokens\": 8, \"tokenswift\": {\"kv_budget\": 1024, \"policy_tuning\": {\"ngram_escape\": false}}}" \
-            --gen-lens 1024 --batch-sizes 8 --sampling greedy --repeats 1 --prefix-len 2048 --kv-cache-gb 1.25
-        run b8-paper-escape-ab --methods ar,tokenswift,tokenswift-noesc \
-            --method-config "tokenswift-noesc={\"method\": \"tokenswift\", \"model\": \"$HEADS\", \"num_speculative_tokens\": 8, \"tokenswift\": {\"kv_budget\": 1024, \"policy_tuning\": {\"ngram_escape\": false}}}" \
-            --gen-lens 1024 --batch-sizes 8 --sampling paper --repeats 1 --prefix-len 2048 --kv-cache-gb 1.25
-        run 6k-paper-escape-ab --methods ar,tokenswift,tokenswift-noesc \
-            --method-config "tokenswift-noesc={\"method\": \"tokenswift\", \"model\": \"$HEADS\", \"num_speculative_tokens\": 8, \"tokenswift\": {\"kv_budget\": 1024, \"policy_tuning\": {\"ngram_escape\": false}}}" \
-            --gen-lens 6144 --batch-sizes 1 --sampling paper --repeats 1 --prefix-len 2048 --kv-cache-gb 0.5 ;;
+            --method-config "$NOESC" "${SET_B8[@]}" --sampling greedy
+        run b8-paper-escape-ab --methods ar,tokenswift,tokenswift-noesc --method-config "$NOESC" \
+            "${SET_B8[@]}" --sampling paper
+        run 6k-paper-escape-ab --methods ar,tokenswift,tokenswift-noesc --method-config "$NOESC" \
+            "${SET_6K[@]}" --sampling paper ;;
     refresh)  # the headline table again at one commit, with the paper's policy beside the adaptive one
         # (~6 h in all; a block holds 6 engines at a 0.5 GiB KV cache, 5 at batch 8's 1.25 GiB)
         run refresh-2k --methods "$PEERS,tokenswift-paper" "${SET_2K[@]}"
