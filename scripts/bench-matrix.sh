@@ -13,7 +13,9 @@
 #           tuning: the adaptive policy's tuning defaults against the earlier behaviour (~4 h), or
 #           refresh: the headline table at one commit, policy=paper included (~7 h), or
 #           refresh-yarn: only its YaRN 12K invocation, every peer (~2.1 h), or
-#           policy-paper: the paper's policy beside AR at YaRN 12K, 6K and tiny 16K (~1.75 h)
+#           policy-paper: the paper's policy beside AR at YaRN 12K, 6K and tiny 16K (~1.75 h), or
+#           same-sampling: 2K under the paper's sampling and under paper-no-min-p, which every
+#           method samples alike (ngram and suffix drop min_p under `paper`; ~35 min)
 #
 # Time on the 2-core CPU (AR about 15 tok/s at 2K context): 2k ~40 min, 6k ~65 min,
 # ablations ~30 min, b8 ~40 min, yarn ~40 min, tiny16k ~25 min, k16 ~15 min; on the faster
@@ -129,6 +131,8 @@ for b in "${BLOCKS[@]}"; do
         run refresh-tiny-16k --methods "$PEERS" "${SET_TINY16K[@]}"
         policy_paper ;;
     refresh-yarn) refresh_yarn ;;
+    same-sampling) run 2k-paper-no-min-p --methods ar,tokenswift,ngram,ngram-best "${SET_2K[@]}" \
+            --sampling paper,paper-no-min-p --repeats 1 ;;
     policy-paper) policy_paper ;;
     k16) run k16-2k --k 16 --methods ar,tokenswift,suffix-16 \
             --method-config 'suffix-16={"method": "suffix", "num_speculative_tokens": 16, "suffix_decoding_max_cached_requests": 0}' \

@@ -236,6 +236,11 @@ def test_sampling_kwargs_min_p_handling():
     assert "repetition_penalty" not in kw and "extra_args" not in kw and "penalty" in note
     kw, note = harness.sampling_kwargs("ngram", "greedy", ng)
     assert kw == {"temperature": 0.0} and note is None
+    # paper-no-min-p: every method, AR included, gets the same kwargs and no note
+    for m, spec in (("ar", None), ("ngram", ng), ("tokenswift", ts)):
+        kw, note = harness.sampling_kwargs(m, "paper-no-min-p", spec)
+        assert kw == {"temperature": 1.0, "repetition_penalty": 1.2,
+                      "extra_args": {"repetition_penalty_window": 1024}} and note is None
     # presets are not mutated
     assert harness.SAMPLING_PRESETS["paper"]["min_p"] == 0.1
     assert "repetition_penalty_window" in harness.SAMPLING_PRESETS["paper"]["extra_args"]

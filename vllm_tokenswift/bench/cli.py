@@ -70,7 +70,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", type=_ints, default=[1], help="comma-separated (default 1)")
     p.add_argument("--sampling", type=_csv, default=["greedy", "paper"],
                    help="greedy,paper (default both); paper = T 1.0, min_p 0.1, repetition "
-                        "penalty 1.2 over a 1024-token window")
+                        "penalty 1.2 over a 1024-token window; paper-no-min-p = the same "
+                        "without min_p, for every method alike")
     p.add_argument("--repeats", type=int, default=1,
                    help="timed runs per setting and engine instance (default 1)")
     p.add_argument("--engines", type=int, default=1,

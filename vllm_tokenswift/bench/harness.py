@@ -64,10 +64,16 @@ DEFAULT_KV_BUDGET = 1024
 
 #: Sampling presets. ``paper``: the TokenSwift paper's min-p setting (Sec 4.1,
 #: Appendix D) with the contextual (windowed) repetition penalty, Eq. 3.
+#: ``paper-no-min-p``: the same without min_p, which stock vLLM 0.32 refuses with
+#: ngram and suffix decoding (they drop it under ``paper``, so they sample another
+#: distribution and skip min_p's per-step cost); under this preset every method,
+#: AR included, samples the same distribution.
 SAMPLING_PRESETS: dict[str, dict[str, Any]] = {
     "greedy": {"temperature": 0.0},
     "paper": {"temperature": 1.0, "min_p": 0.1, "repetition_penalty": 1.2,
               "extra_args": {"repetition_penalty_window": 1024}},
+    "paper-no-min-p": {"temperature": 1.0, "repetition_penalty": 1.2,
+                       "extra_args": {"repetition_penalty_window": 1024}},
 }
 
 #: TokenSwift ablations: method name -> overrides of the ``"tokenswift"`` settings.
