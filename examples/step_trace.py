@@ -238,7 +238,7 @@ def main() -> None:
         sp = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, **SAMPLING_PRESETS[args.sampling])
         if args.sampling == "paper":
             sp_other = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True,
-                                      **{k: v for k, v in SAMPLING_PRESETS["paper"].items() if k != "min_p"})
+                                      **SAMPLING_PRESETS["paper-no-min-p"])
         specs["ts-empty"] = specs["ts"]
         for name, extra in args.ts_variant:
             specs[name] = {**specs["ts"], "tokenswift": {**specs["ts"]["tokenswift"], **extra}}

@@ -72,9 +72,9 @@ SAMPLING_PRESETS: dict[str, dict[str, Any]] = {
     "greedy": {"temperature": 0.0},
     "paper": {"temperature": 1.0, "min_p": 0.1, "repetition_penalty": 1.2,
               "extra_args": {"repetition_penalty_window": 1024}},
-    "paper-no-min-p": {"temperature": 1.0, "repetition_penalty": 1.2,
-                       "extra_args": {"repetition_penalty_window": 1024}},
 }
+SAMPLING_PRESETS["paper-no-min-p"] = {k: copy.deepcopy(v) for k, v in SAMPLING_PRESETS["paper"].items()
+                                     if k != "min_p"}
 
 #: TokenSwift ablations: method name -> overrides of the ``"tokenswift"`` settings.
 TOKENSWIFT_VARIANTS: dict[str, dict[str, Any]] = {
