@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "eval-heads": "vllm_tokenswift.training.cli",
     "bench": "vllm_tokenswift.bench.cli",
     "bench-report": "vllm_tokenswift.bench.cli",
+    "bench-table": "vllm_tokenswift.bench.cli",
     "project": "vllm_tokenswift.bench.roofline",
 }
 

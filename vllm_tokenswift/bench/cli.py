@@ -131,7 +131,49 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     r.add_argument("--title-note", default=None, help="extra line for summary.md's header")
     r.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
     r.set_defaults(func=run_report_cli)
+    t = subparsers.add_parser(
+        "bench-table", help="one table of every setting against every method, from several bench runs",
+        description="Pivot the results.json of several `vllm-tokenswift bench` runs into one row per "
+                    "setting (model, YaRN, sampling, batch, length) and one column per method "
+                    "(× AR of the same invocation, median over runs), with the TokenSwift decision "
+                    "mix and its verdicts against AR and the best peer.")
+    t.add_argument("results", nargs="+", help="results.json files (or folders holding one)")
+    t.add_argument("--methods", type=_csv, default=None,
+                   help="method columns in order (default: tokenswift, tokenswift-paper, ngram, "
+                        "ngram-best, suffix where present, then the others)")
+    t.add_argument("--focus", default="tokenswift", help="the method the verdicts are about")
+    t.add_argument("--peers", type=_csv, default=["ngram", "ngram-best", "suffix"],
+                   help="methods the focus is compared with (default ngram,ngram-best,suffix)")
+    t.add_argument("--floor", type=float, default=0.97, help="the \"never slower\" threshold (default 0.97)")
+    t.add_argument("--out", default=None, help="also write the table to this markdown file")
+    t.add_argument("--png", default=None, help="also write a grouped bar chart to this PNG")
+    t.set_defaults(func=run_table_cli)
     return p
+
+
+def run_table_cli(args: argparse.Namespace) -> int:
+    """Entry point of ``vllm-tokenswift bench-table``: prints the table (and writes the
+    ``--out`` / ``--png`` files); 0 on success, 2 on unreadable input or no records."""
+    from vllm_tokenswift.bench import settings_table as st
+
+    try:
+        records = st.load_invocations(args.results)
+    except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    methods, rows = st.settings_table(records, methods=args.methods, focus=args.focus,
+                                      peers=args.peers, floor=args.floor)
+    if not rows:
+        print("error: no successful runs in the inputs", file=sys.stderr)
+        return 2
+    md = st.markdown(methods, rows, focus=args.focus, floor=args.floor)
+    print(md)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(md + "\n")
+    if args.png:
+        st.write_plot(methods, rows, args.png)
+    return 0
 
 
 def run_report_cli(args: argparse.Namespace) -> int:

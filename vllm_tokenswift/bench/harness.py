@@ -774,7 +774,7 @@ def _settings(cfg: BenchConfig) -> list[tuple[int, int, str]]:
 def _base_record(method: str, g: int, b: int, s: str, rep: int, prefix: int, cfg: BenchConfig,
                  spec: dict | None, engine: int = 0) -> dict[str, Any]:
     rec = {"method": method, "gen_len": g, "batch_size": b, "sampling": s, "repeat": rep, "engine": engine,
-           "status": "ok", "prefix_len": prefix, "model": cfg.model,
+           "status": "ok", "prefix_len": prefix, "model": cfg.model, "yarn": cfg.yarn,
            "num_speculative_tokens": (spec or {}).get("num_speculative_tokens"),
            "speculative_config": spec, "note": None}
     for f in report.RECORD_FIELDS:
