@@ -15,7 +15,11 @@
 #           refresh-yarn: only its YaRN 12K invocation, every peer (~2.1 h), or
 #           policy-paper: the paper's policy beside AR at YaRN 12K, 6K and tiny 16K (~1.75 h), or
 #           same-sampling: 2K under the paper's sampling and under paper-no-min-p, which every
-#           method samples alike (ngram and suffix drop min_p under `paper`; ~35 min)
+#           method samples alike (ngram and suffix drop min_p under `paper`; ~35 min), or
+#           noise: AR against a second AR engine (`ar2`), paired round by round under the paper's
+#           sampling: the spread of a single round's ratio when both sides do the same work (~25 min), or
+#           tables: no run; the README's tables from the finished folders (`vllm-tokenswift bench-table`)
+#           into docs/bench/smollm2/current/{settings,same-sampling,noise}.md and .png
 #
 # Time on the 2-core CPU (AR about 15 tok/s at 2K context): 2k ~40 min, 6k ~65 min,
 # ablations ~30 min, b8 ~40 min, yarn ~40 min, tiny16k ~25 min, k16 ~15 min; on the faster
@@ -67,6 +71,18 @@ policy_paper() {
     run policy-paper-yarn-12k --methods ar,tokenswift-paper "${SET_YARN[@]}"
     run policy-paper-6k --methods ar,tokenswift-paper "${SET_6K[@]}"
     run policy-paper-tiny-16k --methods ar,tokenswift-paper "${SET_TINY16K[@]}"
+}
+
+# The README's tables: every setting at one package version (the refresh and policy-paper
+# invocations), the same-sampling rounds and the AR-against-AR rounds.
+tables() {
+    local cur=docs/bench/smollm2/current
+    "$TS" bench-table "$OUT"/refresh-{2k,6k,b8,b8-paper-engines,b8-paper-policy,yarn-12k} \
+        "$OUT"/policy-paper-{6k,yarn-12k} "$OUT"/refresh-tiny-16k "$OUT"/policy-paper-tiny-16k \
+        --out $cur/settings.md --png $cur/settings.png
+    "$TS" bench-table "$OUT"/2k-paper-no-min-p "$OUT"/2k-no-min-p-quick \
+        --out $cur/same-sampling.md --png $cur/same-sampling.png
+    "$TS" bench-table "$OUT"/noise-ar-vs-ar --methods ar2 --focus ar2 --peers ar2 --out $cur/noise.md
 }
 
 for b in "${BLOCKS[@]}"; do
@@ -134,6 +150,9 @@ for b in "${BLOCKS[@]}"; do
     same-sampling) run 2k-paper-no-min-p --methods ar,tokenswift,ngram,ngram-best "${SET_2K[@]}" \
             --sampling paper,paper-no-min-p --repeats 1 ;;
     policy-paper) policy_paper ;;
+    tables) tables ;;
+    noise) run noise-ar-vs-ar --methods ar,ar2 --method-config 'ar2=null' --gen-lens 1024 --batch-sizes 1 \
+            --sampling paper --repeats 5 --prefix-len 2048 --kv-cache-gb 0.5 ;;
     k16) run k16-2k --k 16 --methods ar,tokenswift,suffix-16 \
             --method-config 'suffix-16={"method": "suffix", "num_speculative_tokens": 16, "suffix_decoding_max_cached_requests": 0}' \
             --gen-lens 2048 --batch-sizes 1 --sampling greedy --repeats 2 --prefix-len 2048 --kv-cache-gb 0.5 ;;

@@ -92,6 +92,9 @@ def test_explicit_methods_and_focus(folders):
                                       focus="suffix", peers=["tokenswift"])
     assert methods == ["suffix", "tokenswift"]
     assert rows[0]["best_peer"] == "tokenswift" and rows[0]["beats_peers"] is False
+    # the focus is never its own peer
+    _, rows = st.settings_table(st.load_invocations(folders), focus="suffix", peers=["suffix"])
+    assert rows[0]["best_peer"] is None and rows[0]["beats_peers"] is None
 
 
 def test_cli_writes_table_and_plot(folders, tmp_path, capsys):

@@ -92,7 +92,8 @@ def settings_table(records: Iterable[dict], methods: Sequence[str] | None = None
         methods: the method columns, in order; None: :data:`DEFAULT_METHODS` that occur,
             then any other non-AR method in order of first appearance.
         focus: the method the verdicts are about.
-        peers: the methods ``focus`` is compared with (those present at the setting).
+        peers: the methods ``focus`` is compared with (those present at the setting;
+            ``focus`` itself is never its own peer).
         floor: the "never slower" threshold on ``focus``'s median speedup.
 
     Returns:
@@ -132,7 +133,7 @@ def settings_table(records: Iterable[dict], methods: Sequence[str] | None = None
             if r.get("method") == focus and r.get("steps_by_kind"):
                 for kind, n in r["steps_by_kind"].items():
                     steps[kind] = steps.get(kind, 0) + int(n)
-        present = [p for p in peers if p in cells]
+        present = [p for p in peers if p in cells and p != focus]
         best = max(present, key=lambda p: cells[p]["median"]) if present else None
         f = cells.get(focus)
         rows.append({
