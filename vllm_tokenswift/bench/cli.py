@@ -186,22 +186,14 @@ def run_report_cli(args: argparse.Namespace) -> int:
     records: list[dict] = []
     sources = []
     for path in args.results:
-        f = os.path.join(path, "results.json") if os.path.isdir(path) else path
         try:
-            with open(f, encoding="utf-8") as fh:
-                recs = json.load(fh)
-        except (OSError, json.JSONDecodeError) as e:
-            print(f"error: cannot read {f}: {e}", file=sys.stderr)
+            recs, folder = report.load_invocation(path)  # speedups within this invocation
+        except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+            print(f"error: cannot read {path}: {e}", file=sys.stderr)
             return 2
-        if not isinstance(recs, list):
-            print(f"error: {f} is not a list of records", file=sys.stderr)
-            return 2
-        report.compute_speedups(recs)  # within this invocation
-        name = os.path.basename(os.path.dirname(os.path.abspath(f)))
-        for rec in recs:
-            rec.setdefault("source", name)
+        name = os.path.basename(folder)
         records.extend(recs)
-        cfg_path = os.path.join(os.path.dirname(os.path.abspath(f)), "config.json")
+        cfg_path = os.path.join(folder, "config.json")
         desc = name
         if os.path.isfile(cfg_path):  # written by `vllm-tokenswift bench` next to results.json
             with open(cfg_path, encoding="utf-8") as fh:

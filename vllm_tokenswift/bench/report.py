@@ -681,6 +681,28 @@ def write_plots(records: list[dict], out_dir: str) -> list[str]:
     return paths
 
 
+def load_invocation(path: str) -> tuple[list[dict], str]:
+    """The records of one ``vllm-tokenswift bench`` invocation: ``path`` is its folder or
+    its ``results.json``. Speedups are computed inside this invocation only (a run is never
+    compared with another invocation's AR), and each record without one gets ``source``,
+    the folder's name. Returns ``(records, folder)``.
+
+    Raises:
+        OSError, json.JSONDecodeError: an unreadable file.
+        ValueError: a file that is not a list of records.
+    """
+    f = os.path.join(path, "results.json") if os.path.isdir(path) else path
+    with open(f, encoding="utf-8") as fh:
+        recs = json.load(fh)
+    if not isinstance(recs, list):
+        raise ValueError(f"{f} is not a list of records")
+    folder = os.path.dirname(os.path.abspath(f))
+    compute_speedups(recs)
+    for r in recs:
+        r.setdefault("source", os.path.basename(folder))
+    return recs, folder
+
+
 def write_report(records: list[dict], out_dir: str, meta: dict | None = None,
                  plots: bool = True, recompute: bool = True) -> dict[str, Any]:
     """Compute speedups and write results.json, results.csv, summary.md and the PNGs.

@@ -27,7 +27,7 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from vllm_tokenswift.bench.report import _median, _ok, compute_speedups, format_decision_mix
+from vllm_tokenswift.bench.report import _median, _ok, _sum_dicts, format_decision_mix, load_invocation
 
 #: the default column order; other methods follow in the order they first appear
 DEFAULT_METHODS: tuple[str, ...] = ("tokenswift", "tokenswift-paper", "ngram", "ngram-best", "suffix")
@@ -52,9 +52,10 @@ def setting_label(key: tuple) -> str:
 
 
 def load_invocations(paths: Sequence[str]) -> list[dict]:
-    """Records of several ``bench`` folders (or ``results.json`` files), each with its
-    speedups computed inside its own invocation, tagged with ``source`` (the folder name)
-    and ``yarn`` (from the folder's ``config.json`` where the record lacks it).
+    """Records of several ``bench`` folders (or ``results.json`` files), each read by
+    :func:`vllm_tokenswift.bench.report.load_invocation` (speedups within its own
+    invocation, ``source`` tag), with ``yarn`` from the folder's ``config.json`` where the
+    record lacks it (records written before the harness stored it).
 
     Raises:
         OSError, json.JSONDecodeError: an unreadable file.
@@ -62,20 +63,13 @@ def load_invocations(paths: Sequence[str]) -> list[dict]:
     """
     records: list[dict] = []
     for path in paths:
-        f = os.path.join(path, "results.json") if os.path.isdir(path) else path
-        with open(f, encoding="utf-8") as fh:
-            recs = json.load(fh)
-        if not isinstance(recs, list):
-            raise ValueError(f"{f} is not a list of records")
-        folder = os.path.dirname(os.path.abspath(f))
+        recs, folder = load_invocation(path)
         yarn = None
         cfg_path = os.path.join(folder, "config.json")
         if os.path.isfile(cfg_path):
             with open(cfg_path, encoding="utf-8") as fh:
                 yarn = json.load(fh).get("yarn")
-        compute_speedups(recs)  # within this invocation only
         for r in recs:
-            r.setdefault("source", os.path.basename(folder))
             if r.get("yarn") is None:
                 r["yarn"] = yarn
         records.extend(recs)
@@ -128,11 +122,7 @@ def settings_table(records: Iterable[dict], methods: Sequence[str] | None = None
             runs = [float(r["speedup_vs_ar"]) for r in mine]
             cells[m] = {"median": _median(runs), "runs": runs,
                         "notes": sorted({str(r["note"]) for r in mine if r.get("note")})}
-        steps: dict[str, int] = {}
-        for r in rs:
-            if r.get("method") == focus and r.get("steps_by_kind"):
-                for kind, n in r["steps_by_kind"].items():
-                    steps[kind] = steps.get(kind, 0) + int(n)
+        steps = _sum_dicts(r.get("steps_by_kind") for r in rs if r.get("method") == focus)
         present = [p for p in peers if p in cells and p != focus]
         best = max(present, key=lambda p: cells[p]["median"]) if present else None
         f = cells.get(focus)
@@ -173,11 +163,11 @@ def markdown(methods: Sequence[str], rows: Sequence[dict], focus: str = "tokensw
     head = ["setting", "AR tok/s", *methods, f"{focus} decision mix % fwd/fused/ngram/none",
             f"{focus} ≥ {floor:g}x AR", f"{focus} ≥ best peer"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
+    verdict = {True: "yes", False: "**no**", None: "–"}
     for row in rows:
         present = [m for m in methods if m in row["cells"]]
         top = max(present, key=lambda m: row["cells"][m]["median"]) if present else None
         mix_txt = format_decision_mix(row["mix"]) or "–"
-        verdict = {True: "yes", False: "**no**", None: "–"}
         peer = row["best_peer"]
         lines.append("| " + " | ".join([
             row["label"],
