@@ -17,9 +17,10 @@ CPU allocations::
     python examples/noise_probe.py
     THP_MEM_ALLOC_ENABLE=1 python examples/noise_probe.py
 
-On 2026-12-02 (README, Benchmark): child CPU time was 1.6x the wall time in every run
-and moved with it, steal time was 1-5% of the wall time, and THP_MEM_ALLOC_ENABLE=1 did
-not change the speed (4 alternating engines, 114-131 ms per token either way).
+On 2026-12-02 (README, Benchmark): 138-161 ms per token over 3 engines x 3 runs, child
+CPU time 1.57-1.64x the wall time in every run and moving with it, steal time 1-6% of
+the wall time; THP_MEM_ALLOC_ENABLE=1 made no difference beyond that spread (4 engines
+alternating off/on: 137-150 ms per token off, 133-141 on).
 """
 
 from __future__ import annotations
