@@ -53,7 +53,7 @@ def test_proposer_interfaces_exist_with_expected_signatures():
 def test_every_tokenswift_patch_is_active_here():
     assert plugin.runner_patch_active()
     plugin.require_patches()
-    optional = {"api-server-metrics", "draft-free-sampling", "draft-ids-in-output"}
+    optional = {"api-server-metrics", "draft-free-sampling", "draft-ids-in-output", "cpu-verify-attention"}
     assert set(plugin.required_patch_names()) == {p.name for p in plugin.PATCHES} - optional
 
 

@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "bench-report": "vllm_tokenswift.bench.cli",
     "bench-table": "vllm_tokenswift.bench.cli",
     "project": "vllm_tokenswift.bench.roofline",
+    "probe": "vllm_tokenswift.bench.probe",
 }
 
 

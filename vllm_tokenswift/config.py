@@ -147,7 +147,11 @@ class TokenSwiftConfig(BaseModel):
             an n-gram chain alone, or no draft; and the chain length. ``"paper"``: the
             draft forward every step with the paper's chain (ablations). ``"cycle"``
             (diagnostics and tests): every request rotates through the four options
-            step by step, so one generation switches between all of them.
+            step by step, so one generation switches between all of them. ``"probe"``
+            (the cost probe, ``vllm-tokenswift probe``): each request's
+            ``extra_args["tokenswift_probe"] = {"kind": "forward" | "ngram", "drafts": k}``
+            fixes its option and its chain at exactly ``k`` tokens (padded with its newest
+            token where the option yields fewer), so that every step has one known shape.
         fused_heads: Allow the fused-heads option under ``policy="adaptive"``
             (beyond the paper; off for the ablation).
         policy_tuning: :class:`PolicyTuning`, the adaptive policy's advanced settings
@@ -159,6 +163,12 @@ class TokenSwiftConfig(BaseModel):
         num_heads: Number of draft heads expected in the checkpoint.
         log_interval_s: Seconds between the plugin's own metric log lines
             (0 disables the periodic log line).
+        verify_attention: ``"auto"`` (default): on vLLM's CPU backend, requests that
+            verify draft tokens (2 to ``num_speculative_tokens + 1`` query tokens) get
+            their attention from the plugin's kernel, which reads each KV head's context
+            once for all query heads and tokens of the group
+            (:mod:`vllm_tokenswift.verify_attention`; fp32 "vec" caches on x86-64 with
+            AVX2, elsewhere vLLM's kernel); ``"vllm"``: vLLM's kernel for every request.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -173,13 +183,14 @@ class TokenSwiftConfig(BaseModel):
     use_heads: bool = True
     draft_penalty: bool = True
     ngram_min_conf: float = Field(0.3, ge=0.0, le=1.0)
-    policy: Literal["adaptive", "paper", "cycle"] = "adaptive"
+    policy: Literal["adaptive", "paper", "cycle", "probe"] = "adaptive"
     fused_heads: bool = True
     policy_tuning: PolicyTuning = Field(default_factory=PolicyTuning)
     heads: str | None = None
     num_speculative_tokens: int = Field(4, ge=1, le=64)
     num_heads: int = Field(DEFAULT_NUM_HEADS, ge=0, le=16)
     log_interval_s: float = Field(10.0, ge=0.0)
+    verify_attention: Literal["auto", "vllm"] = "auto"
 
     @field_validator("tree")
     @classmethod

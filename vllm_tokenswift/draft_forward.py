@@ -27,12 +27,14 @@ This is the only proposer code that touches vLLM's runner internals
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 
 import numpy as np
 import torch
 
 from vllm_tokenswift.kv_view import KEY_READERS, block_importance, detect_key_layout
+from vllm_tokenswift.profiling import PROFILE, install_forward_timer
 
 logger = logging.getLogger("vllm_tokenswift")
 
@@ -83,6 +85,7 @@ class TargetAccess:
             raise ValueError(f"{type(target_model).__name__} has no model.norm: TokenSwift needs a "
                              "Llama/Qwen2-style decoder (final norm before the LM head)")
         self._hooks.append(norm.register_forward_hook(self._norm_hook))
+        self._hooks.extend(install_forward_timer(target_model))
         from vllm.model_executor.layers.attention.attention import Attention
 
         ctx = self.vllm_config.compilation_config.static_forward_context
@@ -164,6 +167,7 @@ class TargetAccess:
         from vllm.forward_context import set_forward_context
         from vllm.v1.attention.backend import CommonAttentionMetadata
 
+        t_start = time.perf_counter() if PROFILE.enabled else 0.0
         n = len(token_ids)
         dev = runner.device
         ids = torch.as_tensor(token_ids, dtype=torch.long)
@@ -198,19 +202,22 @@ class TargetAccess:
         probe = not self._layout_checked
         if probe:
             self._probe_key = None
-        self._in_draft = True
+        self._in_draft = PROFILE.in_draft = True
         hooks = self._query_hooks()
         try:
             with set_forward_context(md, self.vllm_config, num_tokens=n, slot_mapping=sm,
                                      skip_compiled=True):
                 hidden = self.target(input_ids=ids.to(dev), positions=pos_d)
         finally:
-            self._in_draft = False
+            self._in_draft = PROFILE.in_draft = False
             for hk in hooks:
                 hk.remove()
         if probe:
             self._detect_layout(int(slot_t[0]))
         h = hidden if isinstance(hidden, torch.Tensor) else hidden[0]
+        if PROFILE.enabled:
+            PROFILE.add("draft_forward", time.perf_counter() - t_start)
+            PROFILE.count("draft_forwards")
         return h[:n]
 
     @property

@@ -56,6 +56,7 @@ import torch
 from vllm_tokenswift import policy as pol
 from vllm_tokenswift.chain import (SOURCE_FUSED, SOURCE_HEADS, SOURCE_NGRAM, Chain, build_chain,
                                    extend_chain, ngram_chain, select_chain)
+from vllm_tokenswift.cpu_attention import verify_attention_counts
 from vllm_tokenswift.config import (ADDITIONAL_CONFIG_KEY, PolicyTuning, TokenSwiftConfig,
                                     TokenSwiftConfigError)
 from vllm_tokenswift.draft_forward import TargetAccess, tp_all_gather, tp_broadcast_from_rank0
@@ -63,6 +64,7 @@ from vllm_tokenswift.kv_view import RequestView, ViewPlanner, sum_over_ranks
 from vllm_tokenswift.metrics import TokenSwiftStats
 from vllm_tokenswift.ngram import NGramTable
 from vllm_tokenswift.penalty import window_from_params
+from vllm_tokenswift.profiling import PROFILE
 
 logger = logging.getLogger("vllm_tokenswift")
 
@@ -135,6 +137,7 @@ class _RequestState:
     pen_counts: torch.Tensor | None = None              # [V] int32: tokens in the penalty history
     pen_lo: int = 0
     pen_hi: int = 0
+    probe: tuple[str, int] = (pol.NGRAM, 0)  # policy "probe": the request's option and chain length
 
     @property
     def sampled(self) -> bool:
@@ -174,6 +177,40 @@ class _Row:
     verify_index: int = -1    # flat token index of h_{p-1} in this step's verification forward
     forced: bool = False      # the policy must give this row at least one draft (exploration)
     past_cut: tuple | None = None   # (token, source, conf) of the chain's first token past the cut
+
+
+PROBE_KEY = "tokenswift_probe"
+
+
+def probe_directive(extra_args) -> tuple[str, int]:
+    """A request's ``extra_args["tokenswift_probe"]`` under ``policy="probe"``: its option
+    (``"forward"`` or ``"ngram"``) and exact chain length (default: ``("ngram", 0)``, plain
+    decoding steps).
+
+    Raises:
+        ValueError: an unknown option or a negative length.
+    """
+    d = (extra_args or {}).get(PROBE_KEY) or {}
+    kind, drafts = d.get("kind", pol.NGRAM), int(d.get("drafts", 0))
+    if kind not in (pol.FORWARD, pol.NGRAM) or drafts < 0:
+        raise ValueError(f"{PROBE_KEY} needs kind 'forward' or 'ngram' and drafts >= 0, got {d!r}")
+    return kind, drafts
+
+
+def _probe_chain(ch: Chain | None, r: "_Row") -> Chain:
+    """The probe's chain of exactly ``drafts`` tokens (at most the row's room): the
+    option's own chain, cut or padded with the newest token (as an n-gram token, a point
+    mass)."""
+    n = min(r.state.probe[1], r.room)
+    ch = ch if ch is not None else Chain([], [], 0.0)
+    ch = ch.truncate(min(n, len(ch.tokens)))
+    ch.confs = list(ch.confs) + [0.0] * (len(ch.tokens) - len(ch.confs))
+    pad = n - len(ch.tokens)
+    if pad > 0:
+        ch.tokens += [int(r.context[-1])] * pad
+        ch.sources += [SOURCE_NGRAM] * pad
+        ch.confs += [0.0] * pad
+    return ch
 
 
 class TokenSwiftProposer:
@@ -331,6 +368,8 @@ class TokenSwiftProposer:
                 # rank-independent and batch-independent: the engine seed and the request id
                 h = hashlib.sha256(f"{self.engine_seed}:{req_id}".encode()).digest()
                 st.seed = int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
+        if self.cfg.policy == "probe":
+            st.probe = probe_directive(getattr(sp, "extra_args", None))
         # greedy and sampled requests learn from separate engine-wide acceptance figures
         st.acceptance = self.acceptance.new_request("sampled" if st.sampled else "greedy")
         return st
@@ -344,10 +383,14 @@ class TokenSwiftProposer:
         d["prometheus_samples"] = self.stats.prometheus_samples()
         d["cost_model"] = self.costs.costs() if self.costs.ready else None
         d["policy"] = self.cfg.policy
+        d["profile"] = PROFILE.snapshot()
+        d["verify_attention"] = verify_attention_counts()
         return d
 
     def reset_tokenswift_stats(self) -> None:
         self.stats = TokenSwiftStats()
+        PROFILE.reset()
+        verify_attention_counts(reset=True)
 
     # ----------------------------------------------------------------- vLLM API
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None):
@@ -380,6 +423,9 @@ class TokenSwiftProposer:
         finally:
             self.access.end_step()
         t1 = time.perf_counter()
+        if PROFILE.enabled:
+            PROFILE.add("propose", t1 - t0)
+            PROFILE.count("steps")
         self.stats.time_draft_s += t1 - t0
         self._last_overhead = (t1 - t0) - self._step_fwd_s - self._step_fused_s
         self._last_end = t1
@@ -477,6 +523,9 @@ class TokenSwiftProposer:
         if cfg.policy == "paper":
             kinds = [pol.FORWARD] * len(rows)
             threshold = -1.0
+        elif cfg.policy == "probe":
+            kinds = [r.state.probe[0] for r in rows]
+            threshold = -1.0
         else:
             if self.tp_size > 1 and self._step % COST_SYNC_EVERY == 1:
                 self.costs.load_state(tp_broadcast_from_rank0(self.costs.state()))
@@ -510,6 +559,8 @@ class TokenSwiftProposer:
         for j, r in enumerate(rows):
             ch = chains.get(j)
             kind = kinds[j]
+            if cfg.policy == "probe":
+                ch = _probe_chain(ch, r)
             # the draft forward / fused heads ran for this row even if the cut left nothing
             span = (spans.get(kind, 0) and min(r.room, spans[kind])) if ch is not None else 0
             if ch is None or not ch.tokens:

@@ -1,0 +1,66 @@
+"""Greedy TokenSwift at a long context equals plain decoding, with the verification
+attention kernel doing the verifying (issue 44).
+
+The bundled demo model with YaRN rope scaling (x2: a 40,960-token window), a 16,384-token
+prefix of the bundled book openings, 192 greedy tokens, plain decoding against TokenSwift with ``policy="cycle"``
+(so steps verify draft chains from the draft forward, the fused heads and n-grams, and
+plain steps come between them). The kernel must have computed the verifying requests'
+attention (its counters), and the outputs must be token-identical.
+"""
+
+from __future__ import annotations
+
+import pytest
+from engine_utils import shutdown
+
+from vllm_tokenswift.assets_cli import DEMO_HEADS, DEMO_MODEL, PROMPTS_DIR
+
+CONTEXT = 16384
+NEW = 192
+
+
+@pytest.fixture(scope="module")
+def runs():
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from vllm_tokenswift.metrics import get_engine_stats
+    from vllm_tokenswift.models import yarn_overrides
+
+    tok = AutoTokenizer.from_pretrained(str(DEMO_MODEL))
+    # the bundled book openings, one after another (about 32K tokens)
+    text = "\n\n".join(p.read_text() for p in sorted(PROMPTS_DIR.glob("*.txt")))
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) >= CONTEXT
+    prompt = [{"prompt_token_ids": ids[-CONTEXT:]}]
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    kw = dict(model=str(DEMO_MODEL), dtype="float32", max_model_len=CONTEXT + 1024, enforce_eager=True,
+              kv_cache_memory_bytes=256 * 2**20, seed=0, hf_overrides=yarn_overrides(DEMO_MODEL, 2.0),
+              disable_log_stats=False)
+    plain = LLM(**kw)
+    want = list(plain.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids)
+    shutdown(plain)
+    spec = {"method": "tokenswift", "model": str(DEMO_HEADS), "num_speculative_tokens": 6,
+            "tokenswift": {"kv_budget": 1024, "policy": "cycle"}}
+    ts = LLM(speculative_config=spec, **kw)
+    got = list(ts.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids)
+    stats = get_engine_stats(ts)
+    shutdown(ts)
+    return want, got, stats
+
+
+def test_greedy_identical_at_16k_context(runs):
+    want, got, _ = runs
+    assert len(want) == len(got) == NEW
+    first = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
+    assert first is None, f"TokenSwift differs from plain decoding at token {first}"
+
+
+def test_the_kernel_verified_the_drafts(runs):
+    stats = runs[2]
+    va = stats["verify_attention"]
+    # every verifying step went through the kernel: one call per layer (6) per such step
+    assert va["steps"] > 10 and va["layer_calls"] == 6 * va["steps"], va
+    assert va.get("fallbacks", 0) == 0
+    assert va["requests"] == va["steps"]          # batch of one
+    assert stats["steps_by_kind"]["forward"] > 5 and stats["accepted_tokens"] > 0, stats["steps_by_kind"]

@@ -1,0 +1,451 @@
+"""``vllm-tokenswift probe``: what one decode step costs at long context, part by part.
+
+For each context length it prefills one book prefix (prefix caching on, so every later
+request over the same prompt skips the prefill) and times steps of one known shape
+(``policy="probe"``: every step of a request verifies exactly ``k`` draft tokens, or
+runs the draft forward; see ``TokenSwiftConfig.policy``):
+
+* the plain decode step (``k = 0``) and verifying steps with ``k`` = 1, 2, 4, 8 draft
+  tokens, with the plugin's verification attention (``verify_attention="auto"``) and,
+  in an engine of its own, with vLLM's CPU kernel (``"vllm"``): before and after in
+  one invocation;
+* the draft forward at each ``kv_budget`` (one engine per budget).
+
+Each is split with the worker's profile (:mod:`vllm_tokenswift.profiling`) into the
+attention layers, the rest of the target's forward, sampling / rejection sampling, the
+proposer (the draft forward included) and the remainder (scheduling, the engine-core
+round trip, input preparation, the LM head). Beside it, a micro-benchmark of the
+attention op alone (vLLM's ``cpu_attention_with_kv_cache`` and the plugin's kernel)
+at query lengths 1, 2, 5 and 9 over a paged cache of the same heads and length shows
+which part of a verifying step is the kernel's.
+
+Writes ``probe.json``, ``probe.md`` and ``probe.png`` to ``--out``; vLLM's log lines go
+to ``OUT/vllm.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Any, Sequence
+
+DEFAULT_CONTEXTS = {"tiny": [8192, 32768, 65536, 98304], "smollm2": [8192, 16384]}
+DEFAULT_DRAFTS = (0, 1, 2, 4, 8)
+DEFAULT_BUDGETS = (512, 1024, 4096)
+MICRO_Q = (1, 2, 5, 9)
+#: profile parts a step is split into (ms per step), in plot order
+PARTS = ("attention", "forward_rest", "sample", "propose", "other")
+
+
+# ----------------------------------------------------------------- attention micro-benchmark
+def synthetic_cache(context: int, *, hkv: int, d: int, block_size: int, seed: int = 0):
+    """A paged fp32 cache ``[blocks, hkv, block_size, 2d]`` holding ``context`` tokens of
+    one request in blocks ``1..n`` (block 0 unused, as vLLM's null block) and its block
+    table ``[1, n]`` int32."""
+    import torch
+
+    n = -(-context // block_size)
+    g = torch.Generator().manual_seed(seed)
+    cache = torch.randn(n + 1, hkv, block_size, 2 * d, generator=g) * 0.5
+    table = torch.arange(1, n + 1, dtype=torch.int32).view(1, -1)
+    return cache, table
+
+
+def vllm_attention(query, kv_cache, block_table, q_lens: Sequence[int], seq_lens: Sequence[int],
+                   scale: float, out=None, isa: str = "vec"):
+    """vLLM's CPU attention as ``CPUAttentionBackendImpl.forward`` calls it (scheduler
+    metadata from ``cpu_attn_get_scheduler_metadata``, KV split as the worker sets it):
+    ``query`` ``[T, Hq, D]`` fp32 of requests with ``q_lens`` tokens each (in order),
+    ``seq_lens`` their contexts including those tokens; returns ``out`` ``[T, Hq, D]``."""
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm import envs
+
+    hq, d = query.shape[1], query.shape[2]
+    nb, hkv, bs, _ = kv_cache.shape
+    qsl = torch.tensor([0, *list(_cumsum(q_lens))], dtype=torch.int32)
+    sl = torch.tensor(list(seq_lens), dtype=torch.int32)
+    md = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(q_lens), num_heads=hq, num_kv_heads=hkv, head_dim=d, seq_lens=sl, dtype=query.dtype,
+        query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa,
+        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV)
+    kc, vc = kv_cache.view(nb, hkv, 2 * bs, d).chunk(2, dim=2)
+    out = torch.empty_like(query) if out is None else out
+    ops.cpu_attention_with_kv_cache(query=query, key_cache=kc, value_cache=vc, output=out, query_start_loc=qsl,
+                                    seq_lens=sl, scale=scale, causal=True, alibi_slopes=None,
+                                    sliding_window=-1, block_table=block_table, softcap=0.0,
+                                    scheduler_metadata=md, s_aux=None)
+    return out
+
+
+def _cumsum(xs):
+    s = 0
+    for x in xs:
+        s += int(x)
+        yield s
+
+
+def _median_ms(fn, reps: int) -> float:
+    fn()  # warm
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(ts)
+
+
+def attention_microbench(contexts: Sequence[int], *, hq: int, hkv: int, d: int, block_size: int = 128,
+                         q_lens: Sequence[int] = MICRO_Q, reps: int | None = None,
+                         threads: int = 1) -> list[dict]:
+    """Milliseconds of one layer's attention for one request, vLLM's op against the
+    plugin's kernel, at each context and query length, over the same paged cache.
+
+    Returns rows ``{"context", "q", "vllm_ms", "plugin_ms", "max_abs_diff"}`` (median of
+    ``reps`` calls; default 20 below 16K tokens of context, else 7), on ``threads`` threads
+    (the CPU worker's one by default).
+    """
+    import torch
+
+    from vllm_tokenswift import verify_attention as va
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    rows = []
+    try:
+        for c in contexts:
+            cache, table = synthetic_cache(c + max(q_lens), hkv=hkv, d=d, block_size=block_size)
+            for q in q_lens:
+                seq = c + q
+                query = torch.randn(q, hq, d)
+                scale = 1.0 / math.sqrt(d)
+                ref = torch.empty_like(query)
+                mine = torch.empty_like(query)
+                plan = va.make_plan([0], [q], [seq], [0], num_kv_heads=hkv, gqa=hq // hkv, head_dim=d,
+                                    block_size=block_size, num_threads=threads)
+                n = reps or (20 if c < 16384 else 7)
+                t_vllm = _median_ms(lambda: vllm_attention(query, cache, table, [q], [seq], scale, ref), n)
+                t_mine = _median_ms(lambda: va.verify_attention(query, cache, table, plan, mine, scale), n)
+                rows.append({"context": int(c), "q": int(q), "vllm_ms": t_vllm, "plugin_ms": t_mine,
+                             "max_abs_diff": float((ref - mine).abs().max())})
+    finally:
+        torch.set_num_threads(prev)
+    return rows
+
+
+# ----------------------------------------------------------------- step breakdown (engine-free)
+def profile_delta(before: dict | None, after: dict) -> dict:
+    """``after - before`` of two ``profile`` snapshots (``{"seconds": {}, "counts": {}}``)."""
+    out = {"seconds": dict(after.get("seconds") or {}), "counts": dict(after.get("counts") or {})}
+    for key in ("seconds", "counts"):
+        for k, v in ((before or {}).get(key) or {}).items():
+            out[key][k] = out[key].get(k, 0) - v
+    return out
+
+
+def step_breakdown(profile: dict, wall_s: float, steps: int) -> dict:
+    """Per-step milliseconds of a run whose ``steps`` engine steps all had one shape.
+
+    Args:
+        profile: the run's profile (:func:`profile_delta`): ``seconds`` of ``forward``,
+            ``attention``, ``sample``, ``propose``, ``draft_forward``, ``draft_attention``;
+            ``counts`` of ``draft_forwards``.
+        wall_s: the run's wall time seen by the front end.
+        steps: engine steps in the run.
+
+    Returns:
+        ``step`` (wall / steps), ``attention``, ``forward_rest`` (the verification
+        forward minus its attention), ``sample``, ``propose``, ``other`` (the remainder,
+        never below 0) in ms per step, and per draft forward call ``draft_forward`` and
+        ``draft_attention`` (ms; None without draft forwards).
+
+    Raises:
+        ValueError: ``steps`` < 1.
+    """
+    if steps < 1:
+        raise ValueError("a run needs at least one step")
+    s = profile.get("seconds") or {}
+    per = {k: 1e3 * float(s.get(k, 0.0)) / steps for k in ("forward", "attention", "sample", "propose")}
+    step = 1e3 * wall_s / steps
+    out = {"step": step, "attention": per["attention"], "forward_rest": max(0.0, per["forward"] - per["attention"]),
+           "sample": per["sample"], "propose": per["propose"],
+           "other": max(0.0, step - per["forward"] - per["sample"] - per["propose"])}
+    n_fwd = int((profile.get("counts") or {}).get("draft_forwards", 0))
+    out["draft_forwards"] = n_fwd
+    out["draft_forward"] = 1e3 * float(s.get("draft_forward", 0.0)) / n_fwd if n_fwd else None
+    out["draft_attention"] = 1e3 * float(s.get("draft_attention", 0.0)) / n_fwd if n_fwd else None
+    return out
+
+
+def markdown(rows: list[dict], micro: list[dict]) -> str:
+    """The probe's tables: step shapes per context (ms and × the plain step of the same
+    engine kind), then the attention micro-benchmark."""
+    lines = ["| context | step | kernel | ms | × plain | attention | rest of forward | sampling | proposer | other |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    plain = {(r["context"], r["kernel"]): r["step"] for r in rows if r["shape"] == "plain"}
+    for r in rows:
+        base = plain.get((r["context"], r["kernel"])) or plain.get((r["context"], "plugin"))
+        ms = r["draft_forward"] if r["shape"].startswith("draft forward") else r["step"]
+        ratio = f"{ms / base:.2f}x" if base and ms is not None else "-"
+        if r["shape"].startswith("draft forward"):
+            parts = [r.get("draft_attention"), (r["draft_forward"] or 0) - (r.get("draft_attention") or 0),
+                     None, None, None]
+        else:
+            parts = [r[p] for p in PARTS]
+        cells = " | ".join("-" if v is None else f"{v:.1f}" for v in parts)
+        lines.append(f"| {r['context']:,} | {r['shape']} | {r['kernel']} | {ms:.1f} | {ratio} | {cells} |")
+    if micro:
+        lines += ["", "Attention op alone (one layer, one request, ms; median):", "",
+                  "| context | q | vLLM | plugin | vLLM / plugin | vLLM q / vLLM q=1 | plugin q / vLLM q=1 |",
+                  "|---|---|---|---|---|---|---|"]
+        one = {m["context"]: m["vllm_ms"] for m in micro if m["q"] == 1}
+        for m in micro:
+            b = one.get(m["context"])
+            lines.append(f"| {m['context']:,} | {m['q']} | {m['vllm_ms']:.2f} | {m['plugin_ms']:.2f} | "
+                         f"{m['vllm_ms'] / m['plugin_ms']:.2f}x | "
+                         + (f"{m['vllm_ms'] / b:.2f}x | {m['plugin_ms'] / b:.2f}x |" if b else "- | - |"))
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], micro: list[dict], path: str) -> str | None:
+    """Stacked bars of the step parts per context and shape, and the micro-benchmark
+    (ms against query length, per context); ``None`` without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    contexts = sorted({r["context"] for r in rows}) or sorted({m["context"] for m in micro})
+    fig, axes = plt.subplots(1, len(contexts) + (1 if micro else 0),
+                             figsize=(4.2 * (len(contexts) + (1 if micro else 0)), 4.2), squeeze=False)
+    colors = dict(zip(PARTS, ("#4c72b0", "#8da0cb", "#55a868", "#dd8452", "#bbbbbb")))
+    for ax, c in zip(axes[0], contexts):
+        sel = [r for r in rows if r["context"] == c and not r["shape"].startswith("draft forward")]
+        labels = [f"{r['shape']}\n{r['kernel']}" for r in sel]
+        bottom = [0.0] * len(sel)
+        for part in PARTS:
+            vals = [r[part] for r in sel]
+            ax.bar(range(len(sel)), vals, bottom=bottom, color=colors[part], label=part)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        fwd = [r for r in rows if r["context"] == c and r["shape"].startswith("draft forward")]
+        for i, r in enumerate(fwd):
+            ax.bar(len(sel) + i, r["draft_forward"], color="#c44e52", label="draft forward" if i == 0 else None)
+            labels.append(r["shape"].replace("draft forward ", "fwd\n"))
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels(labels, fontsize=6, rotation=90)
+        ax.set_title(f"context {c:,}")
+        ax.set_ylabel("ms per step")
+    axes[0][0].legend(fontsize=7)
+    if micro:
+        ax = axes[0][-1]
+        for c in sorted({m["context"] for m in micro}):
+            ms = [m for m in micro if m["context"] == c]
+            ax.plot([m["q"] for m in ms], [m["vllm_ms"] for m in ms], "o--", label=f"vLLM {c // 1024}K")
+            ax.plot([m["q"] for m in ms], [m["plugin_ms"] for m in ms], "s-", label=f"plugin {c // 1024}K")
+        ax.set_yscale("log")
+        ax.set_xlabel("query tokens")
+        ax.set_ylabel("ms per layer")
+        ax.set_title("attention op alone")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------- engines
+def _book_prompt(tokenizer_dir: str, n: int) -> list[int]:
+    from transformers import AutoTokenizer
+
+    from vllm_tokenswift.bench.harness import book_prompts
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return book_prompts(tok, 1, n, skip=2000)[0]
+
+
+def _run_shape(llm, prompt: list[int], directive: dict, max_tokens: int) -> dict:
+    """One greedy request of the shape ``directive`` over the cached ``prompt``: wall time,
+    engine steps and the profile delta of the run (first worker)."""
+    from vllm import SamplingParams
+
+    from vllm_tokenswift.metrics import get_engine_stats
+
+    before = (get_engine_stats(llm) or {}).get("profile")
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                        extra_args={"tokenswift_probe": directive})
+    t = time.perf_counter()
+    llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
+    wall = time.perf_counter() - t
+    after = (get_engine_stats(llm) or {}).get("profile") or {}
+    prof = profile_delta(before, after)
+    steps = int(prof["counts"].get("steps", 0))
+    return {"wall_s": wall, "steps": steps, "profile": prof}
+
+
+def probe_context(model: str, heads: str, context: int, *, yarn: float | None, drafts: Sequence[int],
+                  budgets: Sequence[int], tokens: int, kernels: Sequence[str], bar=None) -> list[dict]:
+    """All engines of one context length; rows for :func:`markdown` (see the module doc)."""
+    from vllm import LLM
+
+    from vllm_tokenswift.bench.harness import teardown_engine
+    from vllm_tokenswift.models import model_window, yarn_overrides
+
+    prompt = _book_prompt(model, context)
+    k = max(max(drafts), 4)
+    window = model_window(model, yarn)
+    mml = context + tokens * (k + 1) + 256
+    if window is not None and mml > window:
+        raise ValueError(f"context {context} + {tokens} tokens does not fit the model's window {window}; "
+                         "raise --yarn")
+    kv_bytes = _kv_bytes_per_token(model)
+    kv_gb = max(0.5, 1.3 * mml * kv_bytes / 2**30)
+    rows: list[dict] = []
+    # (verification kernel, kv_budget, time the verifying shapes too?): the plugin's kernel
+    # at every budget (draft forwards), verifying shapes at the middle budget; vLLM's kernel
+    # (the "before") at the middle budget
+    arms = [("plugin", b, b == budgets[min(1, len(budgets) - 1)]) for b in budgets]
+    if "vllm" in kernels:
+        arms.append(("vllm", budgets[min(1, len(budgets) - 1)], True))
+    for kernel, budget, verify in arms:
+        spec = {"method": "tokenswift", "model": heads, "num_speculative_tokens": k,
+                "tokenswift": {"kv_budget": budget, "policy": "probe",
+                               "verify_attention": "auto" if kernel == "plugin" else "vllm"}}
+        kw = dict(model=model, dtype="float32", max_model_len=mml, enable_prefix_caching=True, seed=0,
+                  enforce_eager=True, kv_cache_memory_bytes=int(kv_gb * 2**30), speculative_config=spec,
+                  disable_log_stats=False)
+        if yarn:
+            kw["hf_overrides"] = yarn_overrides(model, yarn)
+        if bar is not None:
+            bar.set_postfix_str(f"{context:,}: {kernel} kernel, kv_budget {budget}: prefill")
+        llm = LLM(**kw)
+        try:
+            _run_shape(llm, prompt, {"kind": "ngram", "drafts": 0}, 2)       # prefill, cached after
+            shapes = [("plain" if d == 0 else f"verify {d}", {"kind": "ngram", "drafts": d}) for d in drafts] \
+                if verify else []
+            shapes.append((f"draft forward {budget}", {"kind": "forward", "drafts": k}))
+            for name, directive in shapes:
+                if bar is not None:
+                    bar.set_postfix_str(f"{context:,}: {kernel} kernel: {name}")
+                _run_shape(llm, prompt, directive, 4)                          # warm this shape
+                res = _run_shape(llm, prompt, directive, tokens)
+                row = {"context": context, "shape": name, "kernel": kernel, "kv_budget": budget,
+                       "drafts": directive["drafts"], "wall_s": res["wall_s"], "steps": res["steps"]}
+                row.update(step_breakdown(res["profile"], res["wall_s"], max(1, res["steps"])))
+                rows.append(row)
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            teardown_engine(llm)
+    return rows
+
+
+def _kv_bytes_per_token(model: str) -> int:
+    from vllm_tokenswift.models import read_model_config
+
+    cfg = read_model_config(model) or {}
+    heads = int(cfg.get("num_attention_heads", 8))
+    d = int(cfg.get("head_dim") or int(cfg.get("hidden_size", 512)) // heads)
+    return 2 * int(cfg.get("num_hidden_layers", 12)) * int(cfg.get("num_key_value_heads", heads)) * d * 4
+
+
+# ----------------------------------------------------------------- CLI
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``probe`` on an argparse ``subparsers`` object."""
+    from vllm_tokenswift.bench.cli import _ints
+    from vllm_tokenswift.models import add_target_args
+
+    p = subparsers.add_parser("probe", help="cost of a decode step, a verifying step and the draft forward "
+                                            "at long context, split by part, plus the attention op alone",
+                              description=__doc__.split("\n\n")[0])
+    add_target_args(p, yarn_note="; default: the smallest factor that fits the longest context")
+    p.add_argument("--contexts", type=_ints, default=None,
+                   help="context lengths in tokens (default: 8192,32768,65536,98304 for tiny; "
+                        "8192,16384 for smollm2)")
+    p.add_argument("--drafts", type=lambda s: [int(x) for x in s.split(",")], default=list(DEFAULT_DRAFTS),
+                   help="draft tokens per verifying step (default 0,1,2,4,8; 0 = the plain step)")
+    p.add_argument("--kv-budgets", type=_ints, default=list(DEFAULT_BUDGETS),
+                   help="draft forward kv_budget values (default 512,1024,4096)")
+    p.add_argument("--tokens", type=int, default=96, help="tokens generated per timed shape (default 96)")
+    p.add_argument("--kernels", default="plugin,vllm",
+                   help="verification attention arms: plugin, vllm (default both)")
+    p.add_argument("--micro-only", action="store_true", help="only the attention micro-benchmark (no engine)")
+    p.add_argument("--no-micro", action="store_true", help="skip the attention micro-benchmark")
+    p.add_argument("--out", default=os.path.join("runs", "probe-" + time.strftime("%Y%m%d-%H%M%S")))
+    p.add_argument("--verbose", action="store_true", help="vLLM's log lines on the terminal")
+    p.set_defaults(func=run_cli)
+    return p
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Entry point of ``vllm-tokenswift probe``."""
+    from tqdm import tqdm
+
+    from vllm_tokenswift.bench.harness import engine_output_to
+    from vllm_tokenswift.models import model_window, read_model_config, resolve_target
+
+    model, heads = resolve_target(args.model, args.heads)
+    name = args.model.strip().lower()
+    contexts = args.contexts or DEFAULT_CONTEXTS.get(name, [8192])
+    kernels = [x.strip() for x in args.kernels.split(",") if x.strip()]
+    yarn = args.yarn
+    if yarn is None and not args.micro_only:
+        base = model_window(model) or 0
+        need = max(contexts) + args.tokens * (max(max(args.drafts), 4) + 1) + 256
+        yarn = None if need <= base else float(math.ceil(need / base))
+    cfg = read_model_config(model) or {}
+    hq = int(cfg["num_attention_heads"])
+    hkv = int(cfg.get("num_key_value_heads", hq))
+    d = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // hq)
+    os.makedirs(args.out, exist_ok=True)
+    log = None if args.verbose else os.path.join(args.out, "vllm.log")
+    rows: list[dict] = []
+    micro: list[dict] = []
+    meta = {"model": model, "heads": heads, "yarn": yarn, "contexts": contexts, "drafts": args.drafts,
+            "kv_budgets": args.kv_budgets, "tokens": args.tokens, "kernels": kernels, "heads_q": hq,
+            "heads_kv": hkv, "head_dim": d}
+
+    def save():
+        with open(os.path.join(args.out, "probe.json"), "w", encoding="utf-8") as f:
+            json.dump({"meta": meta, "steps": rows, "attention_op": micro}, f, indent=1)
+
+    os.environ.setdefault("VLLM_TOKENSWIFT_PROFILE", "1")
+    with engine_output_to(log) as (out, err):
+        if not args.no_micro:
+            print(f"attention op alone: {hq} query heads on {hkv} KV heads, head_dim {d}", file=out, flush=True)
+            micro = attention_microbench(contexts, hq=hq, hkv=hkv, d=d)
+            save()
+        if not args.micro_only:
+            per_ctx = (len(args.drafts) * (2 if "vllm" in kernels else 1) + len(args.kv_budgets)
+                       + (1 if "vllm" in kernels else 0))
+            bar = tqdm(total=per_ctx * len(contexts), desc="probe", file=err, dynamic_ncols=True)
+            for c in contexts:
+                rows += probe_context(model, heads, c, yarn=yarn, drafts=args.drafts, budgets=args.kv_budgets,
+                                      tokens=args.tokens, kernels=kernels, bar=bar)
+                save()
+            bar.close()
+        text = markdown(rows, micro)
+        with open(os.path.join(args.out, "probe.md"), "w", encoding="utf-8") as f:
+            f.write(f"# Cost probe: {os.path.basename(model)}" + (f", YaRN x{yarn:g}" if yarn else "") + "\n\n")
+            f.write(text)
+        png = plot(rows, micro, os.path.join(args.out, "probe.png"))
+        print(text, file=out)
+        print(f"wrote {args.out}/probe.json, probe.md" + (", probe.png" if png else ""), file=out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vllm-tokenswift")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parser(sub)
+    args = parser.parse_args(["probe", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""vLLM glue of the verification kernel: the ``cpu-verify-attention`` patch.
+
+On TokenSwift engines on vLLM's CPU backend, requests that verify draft tokens (2 to
+``num_speculative_tokens + 1`` query tokens) get their attention from
+:func:`vllm_tokenswift.verify_attention.verify_attention`; every other request (plain
+decoding, prefill chunks) stays on vLLM's kernel, and engines without TokenSwift are
+untouched. Two methods of ``vllm.v1.attention.backends.cpu_attn`` are wrapped:
+
+* ``CPUAttentionMetadataBuilder.build`` (once per step and KV-cache group): after
+  vLLM's metadata is built, :func:`plan_batch` picks the verifying requests and, when
+  others share the batch, builds vLLM's metadata for those others alone (their query
+  tokens, sequence lengths, block-table rows and the kernel's scheduler metadata).
+  The plan rides on the metadata object as :data:`ATTR`.
+* ``CPUAttentionBackendImpl.forward`` (every attention layer): with a plan, the
+  verifying requests' rows of the output come from the plugin's kernel and the others'
+  from vLLM's kernel over the gathered rest; without one it is vLLM's forward.
+
+Fail-closed: the builder plans only where the kernel applies (fp32 model and cache,
+the "vec" ISA, no sliding window, no dynamic causality, a kernel that compiled and
+loaded); a layer whose impl has ALiBi, a soft cap, sinks, an fp8 cache or fused output
+quantisation, and any call the kernel refuses, runs vLLM's forward for the whole batch.
+Counters of what ran where are in :data:`COUNTERS` (``tokenswift_stats``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import Counter
+
+import numpy as np
+import torch
+
+from vllm_tokenswift import verify_attention as va
+from vllm_tokenswift.profiling import PROFILE
+
+logger = logging.getLogger("vllm_tokenswift")
+
+CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"
+#: attribute of ``CPUAttentionMetadata`` carrying the step's :class:`BatchPlan`
+ATTR = "_tokenswift_verify"
+#: attribute of a builder caching :func:`builder_settings`
+_SETTINGS = "_tokenswift_verify_settings"
+
+#: this process's counts: ``steps`` (metadata builds with a plan), ``requests`` and
+#: ``tokens`` planned, ``mixed_steps`` (plans beside requests left to vLLM),
+#: ``layer_calls`` (forwards that ran the kernel), ``fallbacks`` (forwards that fell back)
+COUNTERS: Counter = Counter()
+
+
+@dataclasses.dataclass
+class BatchPlan:
+    """One step's split of a batch: the kernel's :class:`~vllm_tokenswift.verify_attention.VerifyPlan`
+    and, when other requests share the batch, their token indices ``rest_tokens``
+    (int64 ``[T_rest]``) and vLLM's metadata for them alone (``rest_metadata``)."""
+
+    plan: va.VerifyPlan
+    rest_tokens: torch.Tensor | None = None
+    rest_metadata: object | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class BuilderSettings:
+    """Why a builder plans, or does not (``reason``), and the longest query it plans."""
+
+    enabled: bool
+    max_query_len: int = 0
+    reason: str = ""
+
+
+def builder_settings(builder) -> BuilderSettings:
+    """Decide once per metadata builder whether its batches may use the kernel."""
+    cached = getattr(builder, _SETTINGS, None)
+    if cached is not None:
+        return cached
+    s = _decide(builder)
+    setattr(builder, _SETTINGS, s)
+    if not s.enabled and s.reason:
+        logger.info("TokenSwift verification attention off for %s: %s", type(builder).__name__, s.reason)
+    return s
+
+
+def _decide(builder) -> BuilderSettings:
+    from vllm_tokenswift.plugin import is_tokenswift_spec
+
+    vc = builder.vllm_config
+    sc = vc.speculative_config
+    if not is_tokenswift_spec(sc):
+        return BuilderSettings(False)
+    raw = (vc.additional_config or {}).get("tokenswift") or {}
+    mode = getattr(raw, "verify_attention", None) or (raw.get("verify_attention", "auto")
+                                                        if isinstance(raw, dict) else "auto")
+    if mode != "auto":
+        return BuilderSettings(False, reason=f'verify_attention="{mode}"')
+    checks = [
+        (builder.isa == "vec", f"ISA {builder.isa!r} (the kernel reads the 'vec' layout)"),
+        (builder.dtype == torch.float32, f"model dtype {builder.dtype} (the kernel is fp32)"),
+        (builder.kv_cache_dtype == "auto", f"kv_cache_dtype {builder.kv_cache_dtype!r}"),
+        (builder.window_size == -1, "sliding window"),
+        (not builder.is_cross_attention and not builder.is_encoder_only_attention, "not decoder attention"),
+        (builder.head_dim % 32 == 0, f"head_dim {builder.head_dim} (a multiple of 32 is needed)"),
+        (builder.block_size % 16 == 0, f"block_size {builder.block_size}"),
+    ]
+    for ok, why in checks:
+        if not ok:
+            return BuilderSettings(False, reason=why)
+    if va.load_kernel() is None:
+        return BuilderSettings(False, reason=va.kernel_error() or "kernel unavailable")
+    return BuilderSettings(True, max_query_len=int(sc.num_speculative_tokens) + 1)
+
+
+def plan_batch(builder, settings: BuilderSettings, metadata, common) -> BatchPlan | None:
+    """The step's :class:`BatchPlan`, or ``None`` when no request verifies drafts.
+
+    Verifying requests: 2 to ``settings.max_query_len`` query tokens. The rest (decode
+    rows without drafts, prefill chunks) get vLLM's metadata of their own, built as
+    ``CPUAttentionMetadataBuilder.build`` does (``ops.cpu_attn_get_scheduler_metadata``).
+    """
+    if metadata.dynamic_causal is not None or not metadata.causal:
+        return None
+    num_reqs = int(common.num_reqs)
+    qsl = common.query_start_loc_cpu[: num_reqs + 1].numpy()
+    q_lens = np.diff(qsl)
+    verify = (q_lens >= 2) & (q_lens <= settings.max_query_len)
+    if not verify.any():
+        return None
+    seq_lens = metadata.seq_lens[:num_reqs].cpu().numpy()
+    idx = np.flatnonzero(verify)
+    plan = va.make_plan(qsl[idx], q_lens[idx], seq_lens[idx], idx, num_kv_heads=builder.num_kv_heads,
+                        gqa=builder.num_heads // builder.num_kv_heads, head_dim=builder.head_dim,
+                        block_size=builder.block_size)
+    bp = BatchPlan(plan)
+    COUNTERS["steps"] += 1
+    COUNTERS["requests"] += len(idx)
+    COUNTERS["tokens"] += int(q_lens[idx].sum())
+    rest = np.flatnonzero(~verify)
+    if rest.size:
+        from vllm import _custom_ops as ops
+        from vllm import envs
+
+        tokens = np.concatenate([np.arange(qsl[i], qsl[i + 1]) for i in rest])
+        r_qsl = torch.from_numpy(np.concatenate([[0], np.cumsum(q_lens[rest])]).astype(np.int32))
+        r_seq = torch.from_numpy(seq_lens[rest].astype(np.int32))
+        r_bt = metadata.block_table[torch.from_numpy(rest)]
+        sched = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=int(rest.size), num_heads=builder.num_heads, num_kv_heads=builder.num_kv_heads,
+            head_dim=builder.head_dim, seq_lens=r_seq, dtype=builder.dtype, query_start_loc=r_qsl,
+            causal=metadata.causal, sliding_window_size=builder.window_size, isa=builder.isa,
+            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None,
+            kv_cache_dtype=builder.kv_cache_dtype)
+        bp.rest_tokens = torch.from_numpy(tokens.astype(np.int64))
+        bp.rest_metadata = dataclasses.replace(
+            metadata, num_actual_tokens=int(tokens.size), max_query_len=int(q_lens[rest].max()),
+            query_start_loc=r_qsl, max_seq_len=int(r_seq.max()), seq_lens=r_seq, block_table=r_bt,
+            scheduler_metadata=sched)
+        COUNTERS["mixed_steps"] += 1
+    return bp
+
+
+def verify_attention_counts(reset: bool = False) -> dict:
+    """This process's :data:`COUNTERS` as a plain dict (then cleared if ``reset``)."""
+    out = dict(COUNTERS)
+    if reset:
+        COUNTERS.clear()
+    return out
+
+
+def _impl_supported(impl, output_scale, output_block_scale) -> bool:
+    from vllm.v1.attention.backend import AttentionType
+
+    return (impl.attn_type == AttentionType.DECODER and impl.alibi_slopes is None
+            and not impl.logits_soft_cap and impl.sinks is None and impl.sliding_window == -1
+            and not impl.is_fp8_kv_cache and output_scale is None and output_block_scale is None)
+
+
+def build_patch(orig: dict) -> dict:
+    """``Patch.build`` of ``cpu-verify-attention``: the two wrapped methods."""
+    orig_build = orig[f"{CPU_ATTN}:CPUAttentionMetadataBuilder.build"]
+    orig_forward = orig[f"{CPU_ATTN}:CPUAttentionBackendImpl.forward"]
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        md = orig_build(self, common_prefix_len, common_attn_metadata, fast_build)
+        settings = builder_settings(self)
+        if settings.enabled:
+            bp = plan_batch(self, settings, md, common_attn_metadata)
+            if bp is not None:
+                setattr(md, ATTR, bp)
+        return md
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        if not PROFILE.enabled:
+            return _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                            output_block_scale)
+        t = time.perf_counter()
+        try:
+            return _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                            output_block_scale)
+        finally:
+            PROFILE.add("draft_attention" if PROFILE.in_draft else "attention", time.perf_counter() - t)
+
+    def _forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                 output_block_scale):
+        bp = getattr(attn_metadata, ATTR, None) if attn_metadata is not None else None
+        if bp is None or not _impl_supported(self, output_scale, output_block_scale):
+            return orig_forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                                output_scale, output_block_scale)
+        try:
+            va.verify_attention(query, kv_cache, attn_metadata.block_table, bp.plan, output, self.scale)
+        except va.VerifyAttentionError as e:
+            COUNTERS["fallbacks"] += 1
+            if COUNTERS["fallbacks"] == 1:
+                logger.warning("TokenSwift verification attention fell back to vLLM's kernel: %s", e)
+            return orig_forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                                output_scale, output_block_scale)
+        COUNTERS["layer_calls"] += 1
+        if bp.rest_tokens is not None:
+            q_rest = query[bp.rest_tokens]
+            o_rest = torch.empty_like(q_rest)
+            orig_forward(self, layer, q_rest, key, value, kv_cache, bp.rest_metadata, o_rest)
+            output[bp.rest_tokens] = o_rest
+        return output
+
+    return {f"{CPU_ATTN}:CPUAttentionMetadataBuilder.build": build,
+            f"{CPU_ATTN}:CPUAttentionBackendImpl.forward": forward}
