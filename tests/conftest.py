@@ -1,29 +1,65 @@
 """Suite-wide pytest configuration.
 
-Engine accounting: vLLM names each engine-core process ``VLLM::EngineCore...``
-(``vllm.utils.system_utils.set_process_title``), whether it belongs to an offline
-``LLM``, an OpenAI server or a CLI subprocess. A daemon thread polls ``/proc`` twice a
-second and attributes every new engine-core process to the test running when it
-appeared (an engine takes 10+ s to start, so none is missed). The terminal summary
-prints engines per test file; ``--engine-report PATH`` also writes them as JSON. The
-poller is off where ``/proc`` is missing (it only counts; no test depends on it).
+In-process engines, two workers
+===============================
+Offline engines (``vllm.LLM``) in this process run in-process:
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` makes vLLM use its in-process engine client and,
+on CPU, the uni-process executor (the worker is this process). An engine then starts in
+about 3 s instead of about 30 s (two spawned processes that each import vLLM), which was
+a third of the suite's time. vLLM's multiprocess path stays covered: every OpenAI-server
+test runs ``vllm-tokenswift serve`` as its own process tree (API server, engine core,
+worker), the tensor-parallel engines run their two workers as processes, and
+``tests/server_utils.py`` removes the variable from the servers' environment. A test
+that needs the multiprocess engine sets the variable itself.
+
+Engine accounting
+=================
+Every engine the suite starts is counted per test: in-process ones by a wrapper on
+``vllm.v1.engine.llm_engine.LLMEngine.__init__`` (installed by an import hook the
+moment vLLM's module is first imported), engines in subprocesses (servers, CLI) by
+their ``VLLM::EngineCore`` process, which a daemon thread looks for in ``/proc`` twice
+a second (an engine takes seconds to start, so none is missed). The terminal summary
+prints engines per test file; ``--engine-report PATH`` writes them as JSON.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import json
 import os
+import sys
 import threading
 import time
 from collections import Counter
 from pathlib import Path
 
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+# Under pytest-xdist (./scripts/test.sh runs two workers), each worker's in-process engines
+# use one OpenMP thread bound to a core of their own: two workers then run side by side at
+# full speed (measured: two engine test files pinned to one core each took 2-4% longer
+# than alone), where unbound engines would each try to use both cores.
+_XDIST = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _XDIST.startswith("gw") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and hasattr(os, "sched_getaffinity"):
+    _cpus = sorted(os.sched_getaffinity(0))
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(_cpus[int(_XDIST[2:]) % len(_cpus)])
+
+#: test files by how long they take (seconds in a serial run), heaviest first: collected in
+#: this order, so that xdist hands the long files out first and the two workers finish
+#: together (files not listed follow in their usual order)
+HEAVY_FILES = ("test_engine_lossless.py", "test_openai_server.py", "test_tensor_parallel.py",
+               "test_engine_sampled.py", "test_models.py", "test_engine_lifecycle.py",
+               "test_engine_compiled.py", "test_engine_long_context.py", "test_serve_cli.py",
+               "test_startup_errors.py", "test_packaging.py")
+
 _PROC = Path("/proc")
+_LLM_ENGINE = "vllm.v1.engine.llm_engine"
 
 
 def pytest_addoption(parser):
     parser.addoption("--engine-report", default=None,
-                     help="write the number of vLLM engine-core processes each test file started (JSON)")
+                     help="write the number of vLLM engines each test file started (JSON)")
 
 
 class _EngineCounter:
@@ -32,16 +68,23 @@ class _EngineCounter:
         self.per_test: Counter[str] = Counter()
         self._seen: set[int] = set()
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="engine-counter", daemon=True)
 
     def start(self) -> None:
-        self._seen = self._engine_pids()  # engines that outlive nothing of ours
-        self._thread.start()
+        if _PROC.is_dir():
+            self._seen = self._engine_pids()
+            self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=2)
-        self._poll()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
+            self._poll()
+
+    def count(self, n: int = 1) -> None:
+        with self._lock:
+            self.per_test[self.current] += n
 
     @staticmethod
     def _engine_pids() -> set[int]:
@@ -61,7 +104,7 @@ class _EngineCounter:
         new = self._engine_pids() - self._seen
         if new:
             self._seen |= new
-            self.per_test[self.current] += len(new)
+            self.count(len(new))
 
     def _run(self) -> None:
         while not self._stop.wait(0.5):
@@ -77,25 +120,74 @@ class _EngineCounter:
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-_COUNTER: _EngineCounter | None = None
+_COUNTER = _EngineCounter()
+
+
+def _wrap_llm_engine(module) -> None:
+    cls = module.LLMEngine
+    orig = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        _COUNTER.count()
+        return orig(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+
+
+class _LLMEngineHook(importlib.abc.MetaPathFinder):
+    """Wraps ``LLMEngine.__init__`` right after vLLM's module is executed."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _LLM_ENGINE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_wrap(module):
+            exec_module(module)
+            _wrap_llm_engine(module)
+
+        spec.loader.exec_module = exec_and_wrap
+        return spec
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(HEAVY_FILES)}
+    items.sort(key=lambda it: rank.get(Path(str(it.fspath)).name, len(HEAVY_FILES)))
 
 
 def pytest_sessionstart(session):
-    global _COUNTER
-    if _PROC.is_dir() and os.environ.get("TOKENSWIFT_COUNT_ENGINES", "1") != "0":
-        _COUNTER = _EngineCounter()
-        _COUNTER.start()
+    if _LLM_ENGINE in sys.modules:
+        _wrap_llm_engine(sys.modules[_LLM_ENGINE])
+    else:
+        sys.meta_path.insert(0, _LLMEngineHook())
+    _COUNTER.start()
 
 
 def pytest_runtest_logstart(nodeid, location):
-    if _COUNTER is not None:
+    if _PROC.is_dir():
         _COUNTER._poll()
-        _COUNTER.current = nodeid
+    _COUNTER.current = nodeid
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # an xdist worker hands its counts to the controller (pytest_testnodedown)
+    if hasattr(session.config, "workeroutput"):
+        _COUNTER.stop()
+        session.config.workeroutput["tokenswift_engines"] = json.dumps(dict(_COUNTER.per_test))
+
+
+def pytest_testnodedown(node, error):
+    data = getattr(node, "workeroutput", {}).get("tokenswift_engines")
+    if data:
+        with _COUNTER._lock:
+            _COUNTER.per_test.update(json.loads(data))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if _COUNTER is None:
-        return
     _COUNTER.stop()
     per_file = _COUNTER.per_file()
     total = sum(per_file.values())

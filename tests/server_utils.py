@@ -28,6 +28,16 @@ def serve_command() -> list[str]:
     return [sys.executable, "-m", "vllm_tokenswift.cli", "serve"]
 
 
+def multiprocess_env(**extra) -> dict:
+    """This process's environment for a subprocess that runs vLLM as in production: without
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which ``tests/conftest.py`` sets for the suite's
+    in-process engines (the xdist worker's core binding stays: the server's worker then
+    runs on the core of the test that drives it)."""
+    env = dict(os.environ, **extra)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    return env
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -56,44 +66,64 @@ def vllm_server(model: str, args: list[str], log_path: Path, *, timeout_s: float
         RuntimeError: the server exited or did not answer /health within ``timeout_s``
             (the message carries the end of its log).
     """
-    port = free_port()
-    cmd = [*serve_command(), model, "--host", "127.0.0.1", "--port", str(port), *args]
-    full_env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", **(env or {}))
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
-                            start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited ({proc.returncode}): "
-                                   f"{Path(log_path).read_text()[-3000:]}")
-            try:
-                if requests.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError(f"vllm serve did not start in {timeout_s:.0f} s: "
-                                   f"{Path(log_path).read_text()[-3000:]}")
-            time.sleep(1)
+    with vllm_servers([(model, args, log_path, env)], timeout_s=timeout_s) as (base,):
         yield base
+
+
+@contextlib.contextmanager
+def vllm_servers(specs, *, timeout_s: float = 300.0):
+    """Start several servers at once (``specs``: ``(model, args, log_path, env)`` each), so
+    that their start-ups (each imports vLLM in three processes) overlap; yields their base
+    URLs in order once every one answers /health. All are stopped, and their ports checked
+    free, on exit, also when a start fails or the body of the ``with`` block does.
+
+    Raises:
+        RuntimeError: a server exited or did not answer /health within ``timeout_s``.
+    """
+    procs = []   # (proc, port, log file, log path)
+    try:
+        for model, args, log_path, env in specs:
+            port = free_port()
+            cmd = [*serve_command(), model, "--host", "127.0.0.1", "--port", str(port), *args]
+            log = open(log_path, "w")
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                    env=multiprocess_env(VLLM_LOGGING_LEVEL="WARNING", **(env or {})),
+                                    start_new_session=True)
+            procs.append((proc, port, log, Path(log_path)))
+        deadline = time.time() + timeout_s
+        for proc, port, _, log_path in procs:
+            base = f"http://127.0.0.1:{port}"
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"vllm serve exited ({proc.returncode}): {log_path.read_text()[-3000:]}")
+                try:
+                    if requests.get(base + "/health", timeout=2).status_code == 200:
+                        break
+                except requests.RequestException:
+                    pass
+                if time.time() > deadline:
+                    raise RuntimeError(f"vllm serve did not start in {timeout_s:.0f} s: "
+                                       f"{log_path.read_text()[-3000:]}")
+                time.sleep(1)
+        yield [f"http://127.0.0.1:{port}" for _, port, _, _ in procs]
     finally:
-        if proc.poll() is None:
-            proc.terminate()
+        for proc, _, _, _ in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc, port, log, _ in procs:
             try:
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, 9)
                 proc.wait(30)
-        log.close()
-        for _ in range(60):
-            if port_is_free(port):
-                break
-            time.sleep(0.5)
-        else:
-            raise RuntimeError(f"port {port} still in use after the server stopped")
+            log.close()
+        for _, port, _, _ in procs:
+            for _ in range(60):
+                if port_is_free(port):
+                    break
+                time.sleep(0.5)
+            else:
+                raise RuntimeError(f"port {port} still in use after the server stopped")
 
 
 def metric_samples(base: str, name: str) -> dict[str, float]:

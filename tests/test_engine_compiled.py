@@ -14,6 +14,8 @@ import pytest
 from engine_utils import make_llm, random_prompts, shutdown, token_ids
 from tiny_models import build_random_heads, build_tiny_model
 
+pytestmark = pytest.mark.engine  # starts vLLM engines (not in ./scripts/test.sh --fast)
+
 VOCAB = 512
 
 

@@ -17,6 +17,8 @@ from engine_utils import make_llm, shutdown, spec_metrics
 
 from vllm_tokenswift.assets_cli import DEMO_HEADS, DEMO_MODEL, PROMPTS_DIR
 
+pytestmark = pytest.mark.engine  # starts vLLM engines (not in ./scripts/test.sh --fast)
+
 BUDGET = 256
 SPEC = {"method": "tokenswift", "model": str(DEMO_HEADS), "num_speculative_tokens": 4,
         "tokenswift": {"kv_budget": BUDGET}}

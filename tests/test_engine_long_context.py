@@ -15,6 +15,8 @@ from engine_utils import shutdown
 
 from vllm_tokenswift.assets_cli import DEMO_HEADS, DEMO_MODEL, PROMPTS_DIR
 
+pytestmark = pytest.mark.engine  # starts vLLM engines (not in ./scripts/test.sh --fast)
+
 CONTEXT = 16384
 NEW = 192
 

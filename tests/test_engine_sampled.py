@@ -9,7 +9,8 @@ The test fails if any of the 8 positions has p < 0.001 / 8 (Bonferroni), so unde
 hypothesis its false-alarm rate is at most 0.1% per setting. A control checks the test has
 power: the same statistic separates plain decoding with and without min_p (p < 1e-6).
 
-Two TokenSwift engines: the default adaptive policy, and ``policy="cycle"``, which makes
+Two TokenSwift engines (and one plain engine, all on one random target, shared by the
+tests below): the default adaptive policy, and ``policy="cycle"``, which makes
 every request switch between the draft forward, fused heads, an n-gram chain and no draft
 from one step to the next. A third setting mixes four different prompts (different
 lengths and ``max_tokens``, so requests finish at different steps and batch rows move)
@@ -28,6 +29,8 @@ import numpy as np
 import pytest
 from engine_utils import make_llm, random_prompts, shutdown, spec_metrics, token_ids
 from tiny_models import build_random_heads, build_tiny_model
+
+pytestmark = pytest.mark.engine  # starts vLLM engines (not in ./scripts/test.sh --fast)
 
 VOCAB = 64
 N = 2000
@@ -99,23 +102,54 @@ def _spec(heads: str, policy: str) -> dict:
             "tokenswift": {"kv_budget": 128, "sink_tokens": 16, "policy": policy}}
 
 
+def _repetitive_prompt():
+    """A prompt that repeats one 8-token phrase six times (:func:`repetitive`)."""
+    from vllm.inputs import TokensPrompt
+
+    phrase = random_prompts([PATTERN_LEN], VOCAB, seed=7)[0]["prompt_token_ids"]
+    return [TokensPrompt(prompt_token_ids=phrase * 6)] * N
+
+
 @pytest.fixture(scope="module")
-def samples(tmp_path_factory):
+def engines_run(tmp_path_factory):
+    """Three engines on one random target (plain, adaptive, cycle), each running every
+    workload of this file in turn: the main samples, then the repetitive phrase (plain
+    and cycle only). TokenSwift's counters are read after the main workloads and reset
+    before the repetitive one, so each workload's figures are its own."""
+    from vllm_tokenswift.metrics import get_engine_stats
+
     model, heads = _tiny_target(tmp_path_factory.mktemp("sampled"), seed=11)
     prompt = random_prompts([40], VOCAB, seed=3) * N
+    rep_prompt = _repetitive_prompt()
     plain = make_llm(model, max_model_len=512)
     base = _generate_all(plain, prompt)
+    rep_base = token_ids(plain.generate(rep_prompt, _params("paper"), use_tqdm=False))
     shutdown(plain)
     out, metrics, stats = {}, {}, {}
+    rep_out = rep_stats = None
     for policy in ("adaptive", "cycle"):
         ts = make_llm(model, _spec(heads, policy), max_model_len=512)
+        if policy == "cycle":
+            # the adaptive engine ran in this very process (in-process engines): nothing of
+            # its counters, requests or attention counts reaches the new engine
+            fresh = get_engine_stats(ts)
+            assert fresh["accepted_tokens"] == 0 and fresh["verified_drafts"] == 0, fresh
+            assert fresh["num_live_requests"] == 0 and fresh["verify_attention"] == {}, fresh
         out[policy] = _generate_all(ts, prompt)
         metrics[policy] = spec_metrics(ts)
-        from vllm_tokenswift.metrics import get_engine_stats
-
         stats[policy] = get_engine_stats(ts)
+        if policy == "cycle":
+            ts.collective_rpc("tokenswift_reset_stats")
+            assert get_engine_stats(ts)["accepted_tokens"] == 0   # nothing carried over
+            rep_out = token_ids(ts.generate(rep_prompt, _params("paper"), use_tqdm=False))
+            rep_stats = get_engine_stats(ts)
         shutdown(ts)
-    return base, out, metrics, stats
+    return {"samples": (base, out, metrics, stats), "repetitive": (rep_base, rep_out, rep_stats)}
+
+
+@pytest.fixture(scope="module")
+def samples(engines_run):
+    return engines_run["samples"]
 
 
 @pytest.mark.parametrize("policy", ["adaptive", "cycle"])
@@ -194,26 +228,13 @@ PATTERN_LEN = 8
 
 
 @pytest.fixture(scope="module")
-def repetitive(tmp_path_factory):
+def repetitive(engines_run):
     """A prompt that repeats one 8-token phrase six times: the n-gram table proposes the
     phrase's continuation as a point mass (q = one-hot) from the first step on, while the
     windowed repetition penalty pushes the target away from exactly those tokens, the
-    case where a wrong q (or a draft the penalty was not applied to) would show."""
-    model, heads = _tiny_target(tmp_path_factory.mktemp("repetitive"), seed=31)
-    phrase = random_prompts([PATTERN_LEN], VOCAB, seed=7)[0]["prompt_token_ids"]
-    from vllm.inputs import TokensPrompt
-
-    prompt = [TokensPrompt(prompt_token_ids=phrase * 6)] * N
-    plain = make_llm(model, max_model_len=512)
-    base = token_ids(plain.generate(prompt, _params("paper"), use_tqdm=False))
-    shutdown(plain)
-    ts = make_llm(model, _spec(heads, "cycle"), max_model_len=512)
-    out = token_ids(ts.generate(prompt, _params("paper"), use_tqdm=False))
-    from vllm_tokenswift.metrics import get_engine_stats
-
-    stats = get_engine_stats(ts)
-    shutdown(ts)
-    return base, out, stats
+    case where a wrong q (or a draft the penalty was not applied to) would show. Run on
+    the plain and cycle engines of :func:`engines_run`."""
+    return engines_run["repetitive"]
 
 
 def test_same_distribution_with_ngram_drafts_of_repeated_text(repetitive):

@@ -404,6 +404,7 @@ def test_cache_root_precedence(tmp_path, monkeypatch):
 
 # --------------------------------------------------------------------------- YaRN in vLLM
 
+@pytest.mark.engine  # starts vLLM engines
 def test_yarn_overrides_extend_the_window_in_vllm_and_tokenswift_stays_lossless(tmp_path):
     """A tiny random Llama with a 512-token window, YaRN x4 through hf_overrides: vLLM
     builds the YaRN rotary embedding, generates past the trained window, and TokenSwift's

@@ -1,7 +1,7 @@
 """`vllm-tokenswift serve` (vLLM's `serve` with the plugin) end to end with the bundled
 demo model, driven by the `openai` client.
 
-Two servers run side by side on 127.0.0.1 (random free ports): plain decoding and
+Two servers run side by side on 127.0.0.1 (random free ports, started together): plain decoding and
 TokenSwift (through the plugin's `--speculative-model tokenswift` alias). Greedy
 completions and chat completions, streamed and not, with long `max_tokens`, with the
 windowed repetition penalty in `vllm_xargs`, and sent concurrently, must be identical on
@@ -12,15 +12,16 @@ one), and a bad request must be an HTTP 400 that leaves the engine serving.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from server_utils import metric_samples, metric_total, vllm_server
+from server_utils import metric_samples, metric_total, vllm_servers
 
 from vllm_tokenswift.assets_cli import DEMO_HEADS, DEMO_MODEL, PROMPTS_DIR
+
+pytestmark = pytest.mark.engine  # starts vLLM servers (not in ./scripts/test.sh --fast)
 
 MODEL = "demo"
 COMMON = ["--served-model-name", MODEL, "--dtype", "float32",
@@ -39,10 +40,9 @@ def _prompts() -> list[str]:
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     d = tmp_path_factory.mktemp("serve")
-    with contextlib.ExitStack() as stack:
-        ar = stack.enter_context(vllm_server(str(DEMO_MODEL), COMMON, d / "ar.log"))
-        ts = stack.enter_context(vllm_server(str(DEMO_MODEL), COMMON + TOKENSWIFT, d / "ts.log",
-                                             env={"VLLM_TOKENSWIFT_METRICS_INTERVAL_S": "0.5"}))
+    with vllm_servers([(str(DEMO_MODEL), COMMON, d / "ar.log", None),
+                       (str(DEMO_MODEL), COMMON + TOKENSWIFT, d / "ts.log",
+                        {"VLLM_TOKENSWIFT_METRICS_INTERVAL_S": "0.5"})]) as (ar, ts):
         yield {"ar": ar, "ts": ts, "ar_log": d / "ar.log", "ts_log": d / "ts.log"}
 
 

@@ -11,6 +11,8 @@ import textwrap
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from vllm_tokenswift.compat import SUPPORTED_TEXT
 
 PYPROJECT = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
@@ -41,6 +43,7 @@ def test_extras_and_supported_range():
     assert need <= _names(extras["test"])
 
 
+@pytest.mark.engine  # imports vLLM in a subprocess
 def test_core_plugin_imports_without_optional_dependencies():
     code = textwrap.dedent(f"""
         import importlib.abc, sys

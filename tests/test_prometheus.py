@@ -102,6 +102,29 @@ def test_exporter_refreshes_until_the_engine_dies():
         generate_latest(reg).decode()
 
 
+def test_exporter_leaves_an_idle_engine_alone():
+    """No request in flight: one refresh after the last request, then none until a
+    request arrives (each fetch makes vLLM's idle worker busy-poll for a second)."""
+    st = _stats()
+    col = TokenSwiftCollector()
+    client = _Client(st)
+    client.unfinished = [1, 1, 0, 0, 0, 0, 0, 2, 0, 0]   # per loop turn; then idle
+    client.get_num_unfinished_requests = lambda: client.unfinished.pop(0) if client.unfinished else 0
+    exp = TokenSwiftMetricsExporter(client, interval_s=0.005, sink=col)
+
+    async def go():
+        exp.start()
+        while client.unfinished or exp.skipped_idle < 10:
+            await asyncio.sleep(0.005)
+        exp.task.cancel()
+
+    asyncio.run(go())
+    # busy, busy, first idle turn (refresh), idle x4 (skipped), busy (refresh), first
+    # idle turn after it (refresh), then only skips
+    assert exp.refreshes == 5 and len(client.calls) == 5
+    assert exp.skipped_idle >= 10
+
+
 def test_multiprocess_mode_writes_max_gauges(tmp_path):
     # vLLM's --api-server-count > 1 switches prometheus_client to multiprocess mode: every
     # API server writes the engine's values, merged with max (the freshest)

@@ -15,6 +15,8 @@ from server_utils import serve_command
 
 from vllm_tokenswift.serve import installed_vllm_version, vllm_metadata_fallback
 
+pytestmark = pytest.mark.engine  # runs vLLM in subprocesses (not in ./scripts/test.sh --fast)
+
 VLLM_MAIN = ("import sys; from vllm.entrypoints.cli.main import main; "
              "sys.argv = ['vllm', 'serve', '--help=TokenSwift']; main()")
 

@@ -7,12 +7,11 @@ lossy verification method, a missing plugin patch. The same holds for
 
 from __future__ import annotations
 
-import os
 import subprocess
 
 import pytest
 from engine_utils import make_llm
-from server_utils import serve_command
+from server_utils import multiprocess_env, serve_command
 from tiny_models import build_random_heads, build_tiny_model, build_tiny_tokenizer
 
 from vllm_tokenswift import patches
@@ -72,6 +71,7 @@ def test_bad_config_fails_at_engine_start(tiny, case, match):
     assert ei.value.__cause__ is None or isinstance(ei.value.__cause__, TokenSwiftConfigError)
 
 
+@pytest.mark.engine  # starts vLLM engines
 def test_more_heads_than_num_heads_start_and_generate(tiny):
     # issue 12: a checkpoint with more heads than num_heads passed the front end and then
     # crashed the worker; front end and worker now share the rule (the first num_heads
@@ -123,9 +123,10 @@ def _serve(tiny, *flags, timeout=300):
     cmd = [*serve_command(), tiny["model"], "--port", "0", "--host", "127.0.0.1", "--dtype", "float32",
            "--max-model-len", "2048", "--enforce-eager", "--speculative-model", "tokenswift", *flags]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, VLLM_LOGGING_LEVEL="WARNING"))
+                          env=multiprocess_env(VLLM_LOGGING_LEVEL="WARNING"))
 
 
+@pytest.mark.engine  # runs `vllm-tokenswift serve` in a subprocess
 @pytest.mark.parametrize("flags, message", [
     (["--tokenswift-heads", "OTHER", "--tokenswift-config", '{"kv_budget": 256, "sink_tokens": 0}',
       "--block-size", "32"], "the heads were trained for another model"),

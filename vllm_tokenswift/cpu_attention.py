@@ -19,7 +19,8 @@ Fail-closed: the builder plans only where the kernel applies (fp32 model and cac
 the "vec" ISA, no sliding window, no dynamic causality, a kernel that compiled and
 loaded); a layer whose impl has ALiBi, a soft cap, sinks, an fp8 cache or fused output
 quantisation, and any call the kernel refuses, runs vLLM's forward for the whole batch.
-Counters of what ran where are in :data:`COUNTERS` (``tokenswift_stats``).
+Counters of what ran where are kept per engine (:func:`builder_counts`; ``tokenswift_stats``
+key ``verify_attention``).
 """
 
 from __future__ import annotations
@@ -43,10 +44,21 @@ ATTR = "_tokenswift_verify"
 #: attribute of a builder caching :func:`builder_settings`
 _SETTINGS = "_tokenswift_verify_settings"
 
-#: this process's counts: ``steps`` (metadata builds with a plan), ``requests`` and
-#: ``tokens`` planned, ``mixed_steps`` (plans beside requests left to vLLM),
-#: ``layer_calls`` (forwards that ran the kernel), ``fallbacks`` (forwards that fell back)
-COUNTERS: Counter = Counter()
+#: attribute of a metadata builder holding its engine's counts (a ``Counter``):
+#: ``steps`` (metadata builds with a plan), ``requests`` and ``tokens`` planned,
+#: ``mixed_steps`` (plans beside requests left to vLLM), ``layer_calls`` (forwards that ran
+#: the kernel), ``fallbacks`` (forwards that fell back). Per builder, so that engines
+#: sharing a process (in-process engines) keep their own counts.
+_COUNTS = "_tokenswift_verify_counts"
+
+
+def builder_counts(builder) -> Counter:
+    """The verification-attention counts of one metadata builder (created on first use)."""
+    c = getattr(builder, _COUNTS, None)
+    if c is None:
+        c = Counter()
+        setattr(builder, _COUNTS, c)
+    return c
 
 
 @dataclasses.dataclass
@@ -56,6 +68,7 @@ class BatchPlan:
     (int64 ``[T_rest]``) and vLLM's metadata for them alone (``rest_metadata``)."""
 
     plan: va.VerifyPlan
+    counts: Counter
     rest_tokens: torch.Tensor | None = None
     rest_metadata: object | None = None
 
@@ -130,10 +143,11 @@ def plan_batch(builder, settings: BuilderSettings, metadata, common) -> BatchPla
     plan = va.make_plan(qsl[idx], q_lens[idx], seq_lens[idx], idx, num_kv_heads=builder.num_kv_heads,
                         gqa=builder.num_heads // builder.num_kv_heads, head_dim=builder.head_dim,
                         block_size=builder.block_size)
-    bp = BatchPlan(plan)
-    COUNTERS["steps"] += 1
-    COUNTERS["requests"] += len(idx)
-    COUNTERS["tokens"] += int(q_lens[idx].sum())
+    counts = builder_counts(builder)
+    bp = BatchPlan(plan, counts)
+    counts["steps"] += 1
+    counts["requests"] += len(idx)
+    counts["tokens"] += int(q_lens[idx].sum())
     rest = np.flatnonzero(~verify)
     if rest.size:
         from vllm import _custom_ops as ops
@@ -154,16 +168,23 @@ def plan_batch(builder, settings: BuilderSettings, metadata, common) -> BatchPla
             metadata, num_actual_tokens=int(tokens.size), max_query_len=int(q_lens[rest].max()),
             query_start_loc=r_qsl, max_seq_len=int(r_seq.max()), seq_lens=r_seq, block_table=r_bt,
             scheduler_metadata=sched)
-        COUNTERS["mixed_steps"] += 1
+        counts["mixed_steps"] += 1
     return bp
 
 
-def verify_attention_counts(reset: bool = False) -> dict:
-    """This process's :data:`COUNTERS` as a plain dict (then cleared if ``reset``)."""
-    out = dict(COUNTERS)
-    if reset:
-        COUNTERS.clear()
-    return out
+def verify_attention_counts(runner, reset: bool = False) -> dict:
+    """The counts of every metadata builder of a model runner (one engine), summed, as a
+    plain dict (then cleared if ``reset``); see :func:`builder_counts`."""
+    total: Counter = Counter()
+    for groups in getattr(runner, "attn_groups", None) or ():
+        for g in groups:
+            for b in getattr(g, "metadata_builders", None) or ():
+                c = getattr(b, _COUNTS, None)
+                if c:
+                    total.update(c)
+                    if reset:
+                        c.clear()
+    return dict(total)
 
 
 def _impl_supported(impl, output_scale, output_block_scale) -> bool:
@@ -209,12 +230,12 @@ def build_patch(orig: dict) -> dict:
         try:
             va.verify_attention(query, kv_cache, attn_metadata.block_table, bp.plan, output, self.scale)
         except va.VerifyAttentionError as e:
-            COUNTERS["fallbacks"] += 1
-            if COUNTERS["fallbacks"] == 1:
+            bp.counts["fallbacks"] += 1
+            if bp.counts["fallbacks"] == 1:
                 logger.warning("TokenSwift verification attention fell back to vLLM's kernel: %s", e)
             return orig_forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                                 output_scale, output_block_scale)
-        COUNTERS["layer_calls"] += 1
+        bp.counts["layer_calls"] += 1
         if bp.rest_tokens is not None:
             q_rest = query[bp.rest_tokens]
             o_rest = torch.empty_like(q_rest)

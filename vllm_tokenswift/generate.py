@@ -101,6 +101,8 @@ def run_one(llm, prompt_ids: list[int], params, label: str, progress: bool = Tru
 
     Returns:
         ``token_ids``, ``text``, ``num_tokens``, ``wall_s`` (seconds), ``tokens_per_s``,
+        ``ttft_s`` (time to the first token: the prefill), ``decode_tokens_per_s`` (the
+        tokens after the first over the time after it),
         ``acceptance_rate`` (α, Eq. 4), ``mean_accepted_length`` (tokens per step,
         bonus included), ``acceptance_per_pos``, and for TokenSwift engines the plugin's
         ``ngram_acceptance`` (β), ``steps_by_kind`` and ``accepted_by_kind`` of this run
@@ -123,12 +125,14 @@ def run_one(llm, prompt_ids: list[int], params, label: str, progress: bool = Tru
     engine.add_request(rid, {"prompt_token_ids": prompt_ids}, params)
     bar = tqdm(total=params.max_tokens, unit="tok", desc=label, disable=not progress,
                file=bar_file or sys.stderr, dynamic_ncols=True)
-    done, final = 0, None
+    done, final, t_first = 0, None, None
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.request_id != rid:
                 continue
             n = len(out.outputs[0].token_ids)
+            if n and t_first is None:
+                t_first = time.perf_counter()
             bar.update(n - done)
             done = n
             if out.finished:
@@ -137,8 +141,11 @@ def run_one(llm, prompt_ids: list[int], params, label: str, progress: bool = Tru
     bar.close()
     toks = list(final.outputs[0].token_ids)
     acc = acceptance_from_counters(counter_delta(before, _spec_counters(llm)), k)
+    decode_s = (t0 + wall - t_first) if t_first is not None else None
     res = {"token_ids": toks, "text": final.outputs[0].text, "num_tokens": len(toks),
            "wall_s": wall, "tokens_per_s": len(toks) / wall if wall > 0 else None,
+           "ttft_s": (t_first - t0) if t_first is not None else None,
+           "decode_tokens_per_s": (len(toks) - 1) / decode_s if decode_s and len(toks) > 1 else None,
            "acceptance_rate": acc["acceptance_rate"],
            "mean_accepted_length": acc["mean_accepted_length"],
            "acceptance_per_pos": acc["acceptance_per_pos"],
@@ -316,7 +323,8 @@ def run_generate(args, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> di
         ts_stats = get_engine_stats(llm)
     finally:
         teardown_engine(llm)
-    result.update({k: ts.get(k) for k in ("text", "num_tokens", "wall_s", "tokens_per_s", "acceptance_rate",
+    result.update({k: ts.get(k) for k in ("text", "num_tokens", "wall_s", "tokens_per_s", "ttft_s",
+                                          "decode_tokens_per_s", "acceptance_rate",
                                           "mean_accepted_length", "acceptance_per_pos", "steps_by_kind",
                                           "accepted_by_kind", "ngram_acceptance", "view_selections",
                                           "draft_time_share")})
@@ -324,7 +332,10 @@ def run_generate(args, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> di
     result["speculative_config"] = spec
     if ar is not None:
         result.update(ar_tokens_per_s=ar["tokens_per_s"], ar_wall_s=ar["wall_s"],
-                      speedup=(ts["tokens_per_s"] / ar["tokens_per_s"]) if ar["tokens_per_s"] else None)
+                      ar_decode_tokens_per_s=ar["decode_tokens_per_s"],
+                      speedup=(ts["tokens_per_s"] / ar["tokens_per_s"]) if ar["tokens_per_s"] else None,
+                      decode_speedup=(ts["decode_tokens_per_s"] / ar["decode_tokens_per_s"])
+                      if ts["decode_tokens_per_s"] and ar["decode_tokens_per_s"] else None)
         result["identical"] = (ar["token_ids"] == ts["token_ids"]) if args.temperature == 0 else None
         if args.temperature == 0 and not result["identical"]:
             result["first_difference_at"] = _first_difference(ar["token_ids"], ts["token_ids"])
@@ -359,7 +370,10 @@ def print_report(res: dict, out: TextIO = sys.stdout) -> None:
         print(f"{'tokens/s':22}{_f(res['ar_tokens_per_s']):>16}{_f(res['tokens_per_s']):>14}", file=out)
         print(f"{'wall time (s)':22}{_f(res['ar_wall_s'], '{:.1f}'):>16}{_f(res['wall_s'], '{:.1f}'):>14}",
               file=out)
-        print(f"speedup: {_f(res['speedup'])}x", file=out)
+        print(f"{'decode tokens/s':22}{_f(res.get('ar_decode_tokens_per_s')):>16}"
+              f"{_f(res.get('decode_tokens_per_s')):>14}", file=out)
+        print(f"speedup: {_f(res['speedup'])}x (whole run, prefill included)   decode-phase speedup: "
+              f"{_f(res.get('decode_speedup'))}x", file=out)
     else:
         print(f"tokens/s: {_f(res['tokens_per_s'])}", file=out)
     print(f"acceptance rate (Eq. 4): {_f(res['acceptance_rate'], '{:.3f}')}   "

@@ -185,6 +185,18 @@ class NGramTable:
         """Number of distinct n-grams."""
         return len(self.counts)
 
+    def num_entries(self) -> int:
+        """Entries held by the table's dicts and lists (its memory grows with this; about
+        0.1-0.3 KB each in CPython): the indexed tokens, the n-gram and context counts,
+        the continuation indices and records of every context length, the branch counts."""
+        n = len(self.tokens) + len(self.counts) + len(self.ctx_counts) + len(self.ctx_best)
+        n += len(self.by_first) + len(self.after) + len(self.after_record)
+        n += sum(len(d) for d in (*self.longer_after, *self.longer_record, *self.short_after,
+                                  *self.short_record))
+        n += sum(len(b) for b in self.after_branches.values())
+        n += sum(len(b) for lb in self.longer_branches for b in lb.values())
+        return n
+
     def extend(self, new_tokens: Iterable[int]) -> None:
         """Append tokens and count every n-gram they complete (O(1) per token).
 

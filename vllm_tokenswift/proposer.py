@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -277,6 +278,7 @@ class TokenSwiftProposer:
         self._step_fwd_s = 0.0
         self._step_fused_s = 0.0
         self.last_decision: pol.Decision | None = None
+        self._runner = None   # the model runner of the latest step (for its attention counters)
 
     @property
     def tuning(self):
@@ -383,14 +385,34 @@ class TokenSwiftProposer:
         d["prometheus_samples"] = self.stats.prometheus_samples()
         d["cost_model"] = self.costs.costs() if self.costs.ready else None
         d["policy"] = self.cfg.policy
+        d["memory"] = self.memory()
         d["profile"] = PROFILE.snapshot()
-        d["verify_attention"] = verify_attention_counts()
+        d["verify_attention"] = verify_attention_counts(self._runner) if self._runner is not None else {}
         return d
+
+    def memory(self) -> dict:
+        """What the proposer holds for its live requests: ``history_tokens`` (tokens their
+        n-gram tables index), ``ngram_entries`` (entries of those tables' dicts and lists,
+        :meth:`NGramTable.num_entries`), ``penalty_counts_bytes`` (the penalty-window count
+        vectors), and ``rss_bytes``, this process's resident set (the worker's; with an
+        in-process engine, the whole engine's)."""
+        tables = [st.ngrams for st in self.states.values() if st.ngrams is not None]
+        pen = sum(st.pen_counts.numel() * st.pen_counts.element_size() for st in self.states.values()
+                  if st.pen_counts is not None)
+        try:
+            with open("/proc/self/statm") as f:
+                rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, AttributeError):
+            rss = None
+        return {"history_tokens": sum(len(t) for t in tables),
+                "ngram_entries": sum(t.num_entries() for t in tables),
+                "penalty_counts_bytes": pen, "rss_bytes": rss}
 
     def reset_tokenswift_stats(self) -> None:
         self.stats = TokenSwiftStats()
         PROFILE.reset()
-        verify_attention_counts(reset=True)
+        if self._runner is not None:
+            verify_attention_counts(self._runner, reset=True)
 
     # ----------------------------------------------------------------- vLLM API
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None):
@@ -412,6 +434,7 @@ class TokenSwiftProposer:
         """
         t0 = self.stats.step_started()
         self._step += 1
+        self._runner = runner
         ib = runner.input_batch
         self._row_tokens = ib.token_ids_cpu
         self._forget(scheduler_output, ib.req_id_to_index)

@@ -117,6 +117,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="extra vllm.LLM keyword argument, repeatable (e.g. block_size=32)")
     p.add_argument("--cpu-threads-bind", default=None,
                    help="sets VLLM_CPU_OMP_THREADS_BIND (e.g. 0 or 0-1) before vLLM starts")
+    p.add_argument("--book", dest="books", type=_csv, default=None, metavar="ID[,ID...]",
+                   help="prompts from these Project Gutenberg books of the pg-books corpus (e.g. 28054, "
+                        "The Brothers Karamazov, which the demo model never saw) instead of "
+                        "--prompt-files; $TOKENSWIFT_BOOKS names the corpus file")
+    p.add_argument("--segment-tokens", type=int, default=0, metavar="N",
+                   help="batch-1 runs: figures per N-token segment of the output (segments.md/png): "
+                        "speed, α, β, decision mix, proposer time and memory (default 0: off)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--verbose", action="store_true",
@@ -267,7 +274,9 @@ def config_from_args(args: argparse.Namespace, fetch: bool = True):
         engine_scope=args.engine_scope, enforce_eager=args.enforce_eager,
         kv_cache_gb=args.kv_cache_gb, dtype=args.dtype, seed=args.seed,
         warmup_tokens=args.warmup_tokens, save_tokens=args.save_tokens,
-        engine_kwargs=engine_kwargs, yarn=yarn, engines=getattr(args, "engines", 1))
+        engine_kwargs=engine_kwargs, yarn=yarn, engines=getattr(args, "engines", 1),
+        segment_tokens=max(0, int(getattr(args, "segment_tokens", 0) or 0)),
+        books=getattr(args, "books", None))
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -285,6 +294,7 @@ def run_cli(args: argparse.Namespace) -> int:
         return 2
     if args.cpu_threads_bind:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.cpu_threads_bind
+
     os.makedirs(cfg.out_dir, exist_ok=True)
     meta = {k: v for k, v in asdict(cfg).items() if k not in ("engine_kwargs",)}
     meta["engine_kwargs"] = cfg.engine_kwargs

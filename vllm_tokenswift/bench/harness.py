@@ -86,6 +86,8 @@ TOKENSWIFT_VARIANTS: dict[str, dict[str, Any]] = {
     "tokenswift-nopenalty": {},  # same engine; the requests carry no repetition penalty
     "tokenswift-paper": {"policy": "paper"},  # the paper's drafting: a draft forward every step
     "tokenswift-nofused": {"fused_heads": False},  # adaptive policy without the fused-heads option
+    "tokenswift-b512": {"kv_budget": 512},         # the draft KV budget (the paper's Table 5)
+    "tokenswift-b4096": {"kv_budget": 4096},
 }
 
 #: vLLM n-gram (prompt lookup) settings. ``ngram``: vLLM's documented example;
@@ -181,6 +183,12 @@ class BenchConfig:
         engine_kwargs: extra ``vllm.LLM`` keyword arguments.
         yarn: extend the model's window this many times with YaRN rope scaling
             (``hf_overrides``, :func:`vllm_tokenswift.models.yarn_overrides`); None: off.
+        segment_tokens: > 0: runs of one request take a snapshot of the counters every
+            this many output tokens and record per-segment figures (``segments``; see
+            :mod:`vllm_tokenswift.bench.segments`); 0: off.
+        books: Project Gutenberg ids (``pg-books`` corpus, :data:`DEFAULT_BOOKS` or
+            ``$TOKENSWIFT_BOOKS``) whose text, after :data:`BOOK_SKIP_TOKENS` tokens of
+            front matter, is the prompt source instead of ``prompt_files``.
         engines: engine instances per method, started one after another (each runs
             ``repeats`` timed runs per setting); with ``"interleave"`` each instance
             round starts every method's engine afresh and rotates the methods' order
@@ -213,6 +221,8 @@ class BenchConfig:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     yarn: float | None = None
     engines: int = 1
+    segment_tokens: int = 0
+    books: list[str] | None = None
 
 
 # ---------------------------------------------------------------------------
@@ -400,6 +410,11 @@ def load_prompt_tokens(cfg: BenchConfig, tokenizer_loader: Callable[[str], Any] 
         rng = np.random.RandomState(cfg.seed)
         n = cfg.prefix_len * (max(cfg.batch_sizes) + 1)
         return [rng.randint(3, max(4, vocab), size=n).tolist()]
+    if cfg.books:
+        if tokenizer_loader is None:
+            from transformers import AutoTokenizer
+            tokenizer_loader = AutoTokenizer.from_pretrained
+        return book_streams(tokenizer_loader(cfg.tokenizer or cfg.model), cfg.books)
     files = list(cfg.prompt_files or sorted(glob.glob(DEFAULT_PROMPT_GLOB)))
     if not files:
         raise FileNotFoundError(
@@ -455,6 +470,35 @@ def book_prompts(tokenizer: Callable[..., Any], num_prompts: int, prefix_len: in
                 if len(out) == num_prompts:
                     return out
     raise ValueError(f"only {len(out)} books of {path} have {need} tokens; {num_prompts} needed")
+
+
+#: tokens of a book's front matter (title page, contents, preface) left out of its prompts
+BOOK_SKIP_TOKENS = 2000
+
+
+def book_streams(tokenizer: Callable[..., Any], book_ids: Sequence[str], skip: int = BOOK_SKIP_TOKENS,
+                 path: str | os.PathLike | None = None) -> list[list[int]]:
+    """Token ids of whole books of the Project Gutenberg corpus, by ebook id, each
+    without its first ``skip`` tokens (prompt sources for long prefixes: the demo model
+    never saw 28054, *The Brothers Karamazov*, 480K tokens, nor 19942, *Candide*).
+
+    Raises:
+        FileNotFoundError: no corpus at ``path`` (default ``$TOKENSWIFT_BOOKS`` or
+            :data:`DEFAULT_BOOKS`).
+        ValueError: an id not in the corpus.
+    """
+    path = os.fspath(path or os.environ.get("TOKENSWIFT_BOOKS") or DEFAULT_BOOKS)
+    want = [str(b) for b in book_ids]
+    texts: dict[str, str] = {}
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            d = json.loads(line)
+            if str(d.get("id")) in want:
+                texts[str(d["id"])] = d["text"]
+    missing = [b for b in want if b not in texts]
+    if missing:
+        raise ValueError(f"books {missing} are not in {path}")
+    return [list(tokenizer(texts[b], add_special_tokens=False)["input_ids"][skip:]) for b in want]
 
 
 def build_prompts(streams: Sequence[Sequence[int]], batch_size: int, prefix_len: int
@@ -725,6 +769,60 @@ def timed_run(llm: Any, prompts: list[list[int]], sp_kwargs: dict[str, Any], gen
     return rec, ids
 
 
+def timed_run_segments(llm: Any, prompt: list[int], sp_kwargs: dict[str, Any], gen_len: int,
+                       k: int | None, segment_tokens: int, plugin_stats: bool = False,
+                       collectors: list | None = None) -> tuple[dict[str, Any], list[list[int]]]:
+    """:func:`timed_run` for one request, stepping the engine itself: a snapshot of the
+    counters at the first token and every ``segment_tokens`` output tokens after it (and
+    at the end), turned into ``segments`` rows (:mod:`vllm_tokenswift.bench.segments`).
+    The snapshots read counters between steps: their cost (an RPC to the worker, less
+    than a step) falls outside the segments' wall times only in part."""
+    from vllm import SamplingParams
+
+    from vllm_tokenswift.bench import segments as seg
+
+    eng = llm.llm_engine
+    sp = SamplingParams(max_tokens=gen_len, ignore_eos=True, **sp_kwargs)
+    before = _spec_counters(llm, collectors)
+    was_reset, pbefore = plugin_stats_before(llm) if plugin_stats else (False, None)
+    rid = f"seg-{time.monotonic_ns()}"
+    t0 = time.perf_counter()
+    eng.add_request(rid, {"prompt_token_ids": prompt}, sp)
+    snaps: list[dict] = []
+    steps, n, final, t_first = 0, 0, None, None
+    next_mark = 1
+    while eng.has_unfinished_requests():
+        outs = eng.step()
+        steps += 1
+        for out in outs:
+            if out.request_id != rid:
+                continue
+            n = len(out.outputs[0].token_ids)
+            if out.finished:
+                final = out
+        if n >= next_mark or (final is not None and (not snaps or snaps[-1]["tokens"] < n)):
+            if t_first is None and n:
+                t_first = time.perf_counter()
+            snaps.append(seg.snapshot(llm, n, steps, plugin_stats, collectors))
+            next_mark = (n // segment_tokens + 1) * segment_tokens if n else 1
+    wall = time.perf_counter() - t0
+    ids = list(final.outputs[0].token_ids)
+    rec: dict[str, Any] = {"num_tokens": len(ids), "wall_s": wall}
+    rec.update(report.throughput(len(ids), wall, 1))
+    if t_first is not None and len(ids) > 1:
+        rec["ttft_s"] = t_first - t0
+        rec["decode_tokens_per_s"] = (len(ids) - 1) / (t0 + wall - t_first)
+    acc = report.acceptance_from_counters(report.counter_delta(before, _spec_counters(llm, collectors)), k)
+    rec.update({kk: acc[kk] for kk in ("acceptance_rate", "mean_accepted_length", "num_drafts",
+                                        "num_draft_tokens", "num_accepted_tokens",
+                                        "draft_token_acceptance", "acceptance_per_pos")})
+    if plugin_stats:
+        rec.update(plugin_stats_after(llm, was_reset, pbefore, k or 0))
+    rec.update(report.distinct_scores([ids]))
+    rec["segments"] = seg.segments_from_snapshots(snaps, ids, k)
+    return rec, [ids]
+
+
 def warmup(llm: Any, prompt: list[int], tokens: int = 32,
            sp_kwargs: dict[str, Any] | None = None) -> None:
     """Untimed generate of ``tokens`` tokens (first-call allocations, caches);
@@ -889,8 +987,13 @@ def run_bench(cfg: BenchConfig, progress: bool = True,
         rec["note"] = note
         rec["paired_speedup"] = interleave
         try:
-            fields, ids = timed_run(eng["llm"], prompts_by_b[b], sp_kw, g, eng["k"], plugin_stats=eng["is_ts"],
-                                    collectors=eng["collectors"])
+            if cfg.segment_tokens and b == 1:
+                fields, ids = timed_run_segments(eng["llm"], prompts_by_b[b][0], sp_kw, g, eng["k"],
+                                                 cfg.segment_tokens, plugin_stats=eng["is_ts"],
+                                                 collectors=eng["collectors"])
+            else:
+                fields, ids = timed_run(eng["llm"], prompts_by_b[b], sp_kw, g, eng["k"],
+                                        plugin_stats=eng["is_ts"], collectors=eng["collectors"])
         except Exception as e:
             msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
             rec.update(status="error", note=f"{type(e).__name__}: {msg}"[:500])

@@ -259,6 +259,108 @@ def plot(rows: list[dict], micro: list[dict], path: str) -> str | None:
     return path
 
 
+# ----------------------------------------------------------------- per-step work (engine-free)
+STEP_WORK_HISTORIES = (1024, 10240, 102400)
+
+
+def history_tokens(n: int) -> list[int]:
+    """``n`` tokens of book text for :func:`step_work_bench`: *The Brothers Karamazov*
+    from the pg-books corpus with the demo model's tokenizer when the corpus is there,
+    else the bundled book openings repeated (repeated text makes smaller n-gram tables)."""
+    from transformers import AutoTokenizer
+
+    from vllm_tokenswift.assets_cli import DEMO_MODEL, PROMPTS_DIR
+    from vllm_tokenswift.bench.harness import book_streams
+
+    tok = AutoTokenizer.from_pretrained(str(DEMO_MODEL))
+    try:
+        ids = book_streams(tok, ["28054"])[0]
+    except (OSError, ValueError):
+        text = "\n\n".join(p.read_text() for p in sorted(PROMPTS_DIR.glob("*.txt")))
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+    while len(ids) < n:
+        ids = ids + ids
+    return list(ids[:n])
+
+
+def step_work_bench(histories: Sequence[int] = STEP_WORK_HISTORIES, steps: int = 400,
+                    tokens: list[int] | None = None) -> list[dict]:
+    """Microseconds per decode step of the proposer's per-request work after ``h`` tokens
+    of history, for each ``h``: the n-gram table update (one new token), the n-gram chain
+    (:func:`~vllm_tokenswift.chain.ngram_chain`, 8 tokens), the penalty window's count
+    update (one token in, one out, 1,024-token window, as the proposer keeps it), and the
+    policy (calibration of the chain, :func:`~vllm_tokenswift.policy.decide` for one row);
+    with the table's size (:meth:`~vllm_tokenswift.ngram.NGramTable.num_entries`) and the
+    Python memory it holds (``tracemalloc``, MB). Flat in ``h`` means a step at 100K tokens
+    costs the proposer what it costs at 1K."""
+    import tracemalloc
+
+    import numpy as np
+    import torch
+
+    from vllm_tokenswift import policy as pol
+    from vllm_tokenswift.chain import ngram_chain
+    from vllm_tokenswift.ngram import NGramTable
+
+    need = max(histories) + steps + 1
+    toks = tokens if tokens is not None else history_tokens(need)
+    vocab = max(toks) + 1
+    costs = pol.CostModel()
+    for i in range(64):
+        costs.observe_step(0.02 + 0.001 * (i % 3), 1, i % 5)
+    cost = costs.costs()
+    calib = pol.Calibration(positions=8)
+    rows = []
+    for h in histories:
+        tracemalloc.start()
+        table = NGramTable(4)
+        table.extend(toks[:h])
+        mem = tracemalloc.get_traced_memory()[0] / 2**20
+        tracemalloc.stop()
+        counts = torch.zeros(vocab, dtype=torch.int32)
+        window = torch.as_tensor(toks[max(0, h - 1024):h], dtype=torch.long)
+        counts.index_add_(0, window, torch.ones_like(window, dtype=torch.int32))
+        ctx_len = table.context_len
+        t_upd = t_chain = t_pen = t_pol = 0.0
+        for i in range(steps):
+            pos = h + i
+            a = time.perf_counter()
+            table.extend([toks[pos]])
+            b = time.perf_counter()
+            ch = ngram_chain(toks[pos + 1 - ctx_len: pos + 1], table, 8, 0.05, True)
+            c = time.perf_counter()
+            add = torch.as_tensor([toks[pos]], dtype=torch.long)
+            sub = torch.as_tensor([toks[pos - 1024]], dtype=torch.long)
+            counts.index_add_(0, add, torch.ones(1, dtype=torch.int32))
+            counts.index_add_(0, sub, torch.full((1,), -1, dtype=torch.int32))
+            _ = counts > 0
+            d = time.perf_counter()
+            cum = calib.chain_cum(ch.sources, ch.confs) if ch.tokens else np.zeros(0)
+            opts = pol.RowOptions({pol.NONE: np.zeros(0), pol.NGRAM: cum})
+            pol.decide([opts], cost)
+            e = time.perf_counter()
+            t_upd += b - a
+            t_chain += c - b
+            t_pen += d - c
+            t_pol += e - d
+        us = 1e6 / steps
+        rows.append({"history": int(h), "ngram_update_us": t_upd * us, "ngram_chain_us": t_chain * us,
+                     "penalty_us": t_pen * us, "policy_us": t_pol * us,
+                     "total_us": (t_upd + t_chain + t_pen + t_pol) * us,
+                     "ngram_entries": table.num_entries(), "table_mb": mem})
+    return rows
+
+
+def step_work_markdown(rows: list[dict]) -> str:
+    lines = ["| history tokens | n-gram update µs | n-gram chain µs | penalty window µs | policy µs | "
+             "total µs per step | n-gram entries | table MB |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['history']:,} | {r['ngram_update_us']:.1f} | {r['ngram_chain_us']:.1f} | "
+                     f"{r['penalty_us']:.1f} | {r['policy_us']:.1f} | {r['total_us']:.1f} | "
+                     f"{r['ngram_entries']:,} | {r['table_mb']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
 # ----------------------------------------------------------------- engines
 def _book_prompt(tokenizer_dir: str, n: int) -> list[int]:
     from transformers import AutoTokenizer
@@ -374,7 +476,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=96, help="tokens generated per timed shape (default 96)")
     p.add_argument("--kernels", default="plugin,vllm",
                    help="verification attention arms: plugin, vllm (default both)")
-    p.add_argument("--micro-only", action="store_true", help="only the attention micro-benchmark (no engine)")
+    p.add_argument("--micro-only", action="store_true",
+                   help="only the engine-free parts: the attention op and the proposer's per-step work")
+    p.add_argument("--step-work", action="store_true",
+                   help="also time the proposer's per-step work (n-gram update and chain, penalty window, "
+                        "policy) after 1K, 10K and 100K tokens of history (engine-free)")
     p.add_argument("--no-micro", action="store_true", help="skip the attention micro-benchmark")
     p.add_argument("--out", default=os.path.join("runs", "probe-" + time.strftime("%Y%m%d-%H%M%S")))
     p.add_argument("--verbose", action="store_true", help="vLLM's log lines on the terminal")
@@ -406,19 +512,27 @@ def run_cli(args: argparse.Namespace) -> int:
     log = None if args.verbose else os.path.join(args.out, "vllm.log")
     rows: list[dict] = []
     micro: list[dict] = []
+    work: list[dict] = []
     meta = {"model": model, "heads": heads, "yarn": yarn, "contexts": contexts, "drafts": args.drafts,
             "kv_budgets": args.kv_budgets, "tokens": args.tokens, "kernels": kernels, "heads_q": hq,
             "heads_kv": hkv, "head_dim": d}
 
     def save():
         with open(os.path.join(args.out, "probe.json"), "w", encoding="utf-8") as f:
-            json.dump({"meta": meta, "steps": rows, "attention_op": micro}, f, indent=1)
+            json.dump({"meta": meta, "steps": rows, "attention_op": micro, "step_work": work}, f, indent=1)
 
-    os.environ.setdefault("VLLM_TOKENSWIFT_PROFILE", "1")
+    os.environ.setdefault("VLLM_TOKENSWIFT_PROFILE", "1")   # the engines' worker processes
+    from vllm_tokenswift.profiling import PROFILE
+
+    PROFILE.enabled = True          # and this one, where engines run in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
     with engine_output_to(log) as (out, err):
         if not args.no_micro:
             print(f"attention op alone: {hq} query heads on {hkv} KV heads, head_dim {d}", file=out, flush=True)
             micro = attention_microbench(contexts, hq=hq, hkv=hkv, d=d)
+            save()
+        if args.step_work or args.micro_only:
+            print("proposer work per step at 1K, 10K and 100K tokens of history", file=out, flush=True)
+            work = step_work_bench()
             save()
         if not args.micro_only:
             per_ctx = (len(args.drafts) * (2 if "vllm" in kernels else 1) + len(args.kv_budgets)
@@ -430,6 +544,8 @@ def run_cli(args: argparse.Namespace) -> int:
                 save()
             bar.close()
         text = markdown(rows, micro)
+        if work:
+            text += "\nProposer work per step (engine-free, one request):\n\n" + step_work_markdown(work)
         with open(os.path.join(args.out, "probe.md"), "w", encoding="utf-8") as f:
             f.write(f"# Cost probe: {os.path.basename(model)}" + (f", YaRN x{yarn:g}" if yarn else "") + "\n\n")
             f.write(text)

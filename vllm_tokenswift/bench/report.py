@@ -314,6 +314,10 @@ def compute_speedups(records: list[dict]) -> list[dict]:
             if not base:
                 base = _median(ar.get(key, []))
             r[out] = (r[field] / base) if (base and _ok(r) and r.get(field)) else None
+    if any(r.get("segments") for r in records):
+        from vllm_tokenswift.bench.segments import paired_segments
+
+        paired_segments(records)
     return records
 
 
@@ -727,4 +731,14 @@ def write_report(records: list[dict], out_dir: str, meta: dict | None = None,
         except ImportError as e:  # matplotlib is an optional ([bench]) dependency
             import warnings
             warnings.warn(f"plots skipped: {e} (pip install matplotlib)")
+    if any(r.get("segments") for r in records):
+        from vllm_tokenswift.bench import segments
+
+        paths["segments"] = os.path.join(out_dir, "segments.md")
+        with open(paths["segments"], "w", encoding="utf-8") as f:
+            f.write("# Per-segment figures (one request per run)\n\n" + segments.markdown(records))
+        if plots:
+            png = segments.plot(records, os.path.join(out_dir, "segments.png"))
+            if png:
+                paths["plots"].append(png)
     return paths

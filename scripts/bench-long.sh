@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The long-context measurements of docs/bench/long (the paper's length table on this CPU).
+# Run each block alone on the machine (nothing else running), one at a time:
+#   bash scripts/bench-long.sh BLOCK [BLOCK...]
+# Blocks (minutes on the 2-vCPU box, mostly prefill: ~9 minutes per engine at 96K):
+#   probe          cost probe, demo model: decode / verify / draft-forward steps at 8K-96K  (~75)
+#   probe-smollm2  cost probe, SmolLM2 with YaRN x2 at 8K and 16K                            (~20)
+#   context-8k context-32k context-64k context-96k
+#                  demo model, YaRN x5, a prefix of The Brothers Karamazov (held out), 1,024
+#                  tokens, AR / TokenSwift / suffix / ngram, greedy and the paper's sampling,
+#                  2 paired rounds                                          (~10 / 25 / 45 / 70)
+#   length         demo model, YaRN x2, 2K prefix, 32K tokens in one request, AR / TokenSwift /
+#                  suffix, both samplings, figures per 8K segment                           (~80)
+#   budget         demo model, 64K prefix: kv_budget 512 / 1024 / 4096 / full (the paper's
+#                  Table 5), the paper's sampling                                            (~30)
+#   smollm2        SmolLM2-135M, YaRN x4, 2K prefix, 16K tokens, AR / TokenSwift, both
+#                  samplings, figures per 4K segment                                         (~80)
+#   tables         regenerate docs/bench/long/README.md tables from the finished folders
+# Prefix caching is on, so a prefix is prefilled once per engine, not once per run; the
+# decode-phase speedup (decode_speedup_vs_ar) is the figure that counts. Suffix decoding
+# needs arctic-inference (recipe in vllm_tokenswift/bench/harness.py).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VT=.venv/bin/vllm-tokenswift
+OUT=${OUT:-docs/bench/long}
+BOOK=28054
+COMMON=(--quiet --engine-arg enable_prefix_caching=true --kv-cache-gb 1.5)
+
+context() {   # context PREFIX_TOKENS NAME
+  $VT bench --model tiny --yarn 5 --book $BOOK --prefix-len "$1" --gen-lens 1024 \
+    --methods ar,tokenswift,suffix,ngram --sampling greedy,paper --interleave --repeats 2 \
+    "${COMMON[@]}" --out "$OUT/$2"
+}
+
+for block in "$@"; do
+  echo "== $block ($(date -u +%H:%M))"
+  case "$block" in
+    probe) $VT probe --model tiny --step-work --out "$OUT/probe-tiny" ;;
+    probe-smollm2) $VT probe --model smollm2 --yarn 2 --contexts 8192,16384 --out "$OUT/probe-smollm2" ;;
+    context-8k) context 8192 context-8k ;;
+    context-32k) context 32768 context-32k ;;
+    context-64k) context 65536 context-64k ;;
+    context-96k) context 98304 context-96k ;;
+    length)
+      $VT bench --model tiny --yarn 2 --book $BOOK --prefix-len 2048 --gen-lens 32768 \
+        --methods ar,tokenswift,suffix --sampling greedy,paper --interleave --segment-tokens 8192 \
+        "${COMMON[@]}" --out "$OUT/length-32k" ;;
+    budget)
+      $VT bench --model tiny --yarn 5 --book $BOOK --prefix-len 65536 --gen-lens 1024 \
+        --methods ar,tokenswift-b512,tokenswift,tokenswift-b4096,tokenswift-fullkv --sampling paper \
+        --interleave "${COMMON[@]}" --out "$OUT/budget-64k" ;;
+    smollm2)
+      $VT bench --model smollm2 --yarn 4 --prefix-len 2048 --gen-lens 16384 --methods ar,tokenswift \
+        --sampling greedy,paper --interleave --segment-tokens 4096 "${COMMON[@]}" --out "$OUT/smollm2-16k" ;;
+    tables) .venv/bin/python -m vllm_tokenswift.bench.long_tables "$OUT" ;;
+    *) echo "unknown block $block" >&2; exit 2 ;;
+  esac
+done

@@ -1,0 +1,181 @@
+"""The cost probe's and the long-run report's engine-free parts: the step breakdown
+arithmetic, the worker profile, the probe policy's directive and chains, per-segment
+figures and their pairing with AR, the proposer's per-step work benchmark, the
+attention micro-benchmark, and the decode-phase speedup of ``generate``."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_tokenswift.bench import probe, segments
+from vllm_tokenswift.chain import SOURCE_HEADS, SOURCE_NGRAM, Chain
+from vllm_tokenswift.profiling import StepProfile, install_forward_timer
+
+
+def test_step_breakdown_splits_a_step_into_its_parts():
+    prof = {"seconds": {"forward": 2.0, "attention": 1.5, "sample": 0.1, "propose": 0.4,
+                        "draft_forward": 0.3, "draft_attention": 0.05},
+            "counts": {"steps": 100, "draft_forwards": 10}}
+    b = probe.step_breakdown(prof, wall_s=3.0, steps=100)
+    assert b["step"] == pytest.approx(30.0)
+    assert b["attention"] == pytest.approx(15.0) and b["forward_rest"] == pytest.approx(5.0)
+    assert b["sample"] == pytest.approx(1.0) and b["propose"] == pytest.approx(4.0)
+    assert b["other"] == pytest.approx(30.0 - 20.0 - 1.0 - 4.0)
+    assert b["draft_forwards"] == 10 and b["draft_forward"] == pytest.approx(30.0)
+    assert b["draft_attention"] == pytest.approx(5.0)
+    none = probe.step_breakdown({"seconds": {"forward": 1.0}, "counts": {}}, 0.5, 10)
+    assert none["other"] == 0.0 and none["draft_forward"] is None   # never negative
+    with pytest.raises(ValueError):
+        probe.step_breakdown(prof, 1.0, 0)
+
+
+def test_profile_delta_subtracts_the_snapshot_before():
+    before = {"seconds": {"forward": 1.0, "sample": 0.5}, "counts": {"steps": 4}}
+    after = {"seconds": {"forward": 3.0, "sample": 0.5, "propose": 0.2}, "counts": {"steps": 10}}
+    d = probe.profile_delta(before, after)
+    assert d == {"seconds": {"forward": 2.0, "sample": 0.0, "propose": 0.2}, "counts": {"steps": 6}}
+    assert probe.profile_delta(None, after)["counts"] == {"steps": 10}
+
+
+def test_step_profile_times_only_when_enabled():
+    off = StepProfile(enabled=False)
+    with off.timed("x"):
+        pass
+    assert off.snapshot() == {"enabled": False, "seconds": {}, "counts": {}}
+    on = StepProfile(enabled=True)
+    with on.timed("x"):
+        sum(range(1000))
+    on.count("steps", 3)
+    snap = on.snapshot()
+    assert snap["seconds"]["x"] > 0 and snap["counts"] == {"steps": 3}
+    on.reset()
+    assert on.snapshot()["seconds"] == {}
+
+
+def test_forward_timer_books_draft_forwards_apart(monkeypatch):
+    from vllm_tokenswift import profiling
+
+    prof = StepProfile(enabled=True)
+    monkeypatch.setattr(profiling, "PROFILE", prof)
+    lin = torch.nn.Linear(4, 4)
+    hooks = install_forward_timer(lin)
+    assert len(hooks) == 2
+    lin(torch.zeros(1, 4))
+    prof.in_draft = True
+    lin(torch.zeros(1, 4))
+    lin(torch.zeros(1, 4))
+    assert set(prof.seconds) == {"forward", "draft_model"}
+    for h in hooks:
+        h.remove()
+    monkeypatch.setattr(profiling, "PROFILE", StepProfile(enabled=False))
+    assert install_forward_timer(lin) == []           # off: no hook, no slow call path
+
+
+def test_probe_directive_and_chain_length():
+    from vllm_tokenswift.proposer import _probe_chain, _RequestState, _Row, probe_directive
+
+    assert probe_directive(None) == ("ngram", 0)
+    assert probe_directive({"tokenswift_probe": {"kind": "forward", "drafts": 4}}) == ("forward", 4)
+    for bad in ({"kind": "fused", "drafts": 1}, {"kind": "ngram", "drafts": -1}):
+        with pytest.raises(ValueError, match="tokenswift_probe"):
+            probe_directive({"tokenswift_probe": bad})
+    st = _RequestState(ngrams=None)
+    st.probe = ("ngram", 5)
+    row = _Row(0, "r", st, pos=10, room=8, context=[7, 8, 9])
+    ch = _probe_chain(Chain([1, 2], [SOURCE_NGRAM, SOURCE_NGRAM], 0.0, [0.9, 0.8]), row)
+    assert ch.tokens == [1, 2, 9, 9, 9] and ch.sources == [SOURCE_NGRAM] * 5
+    assert ch.confs == [0.9, 0.8, 0.0, 0.0, 0.0]
+    long = _probe_chain(Chain(list(range(8)), [SOURCE_HEADS] * 8, 0.0), row)   # confs empty (paper chains)
+    assert long.tokens == [0, 1, 2, 3, 4] and len(long.confs) == 5
+    row.room = 3
+    assert _probe_chain(None, row).tokens == [9, 9, 9]                        # capped by the room
+
+
+def _snap(t, tokens, steps, drafts, accepted, ts=None):
+    spec = {"num_drafts": drafts, "num_draft_tokens": 4 * drafts, "num_accepted_tokens": accepted,
+            "accepted_per_pos": []}
+    return {"t": t, "tokens": tokens, "steps": steps, "spec": spec, "plugin": ts}
+
+
+def test_segments_from_snapshots():
+    ts = lambda acc_ng, chains, fwd, none, tdraft, hist: {  # noqa: E731
+        "verified_drafts": chains, "accepted_ngram": acc_ng, "num_speculative_tokens": 4,
+        "steps_by_kind": {"forward": fwd, "fused": 0, "ngram": 0, "none": none}, "time_draft_s": tdraft,
+        "memory": {"history_tokens": hist, "ngram_entries": 3 * hist, "rss_bytes": 2**30}}
+    snaps = [_snap(0.0, 1, 1, 0, 0, ts(0, 0, 0, 1, 0.0, 1)),
+             _snap(2.0, 100, 51, 40, 30, ts(20, 40, 10, 41, 0.05, 100)),
+             _snap(5.0, 200, 131, 100, 50, ts(24, 100, 10, 121, 0.13, 200))]
+    ids = list(range(50)) * 4
+    rows = segments.segments_from_snapshots(snaps, ids, 4)
+    assert [(r["start"], r["end"], r["tokens"], r["steps"]) for r in rows] == [(1, 100, 99, 50), (100, 200, 100, 80)]
+    assert rows[0]["tokens_per_s"] == pytest.approx(49.5) and rows[1]["tokens_per_step"] == pytest.approx(1.25)
+    assert rows[0]["acceptance_rate"] == pytest.approx(30 / (4 * 40))
+    assert rows[1]["ngram_acceptance"] == pytest.approx(4 / (4 * 60))
+    assert rows[1]["steps_by_kind"] == {"forward": 0, "fused": 0, "ngram": 0, "none": 80}
+    assert rows[0]["proposer_ms_per_step"] == pytest.approx(1.0)
+    assert rows[1]["history_tokens"] == 200 and rows[1]["ngram_entries"] == 600
+    assert rows[1]["distinct_1"] == pytest.approx(50 / 100)         # tokens 100..199: 50 distinct
+
+
+def test_paired_segments_pair_by_index_and_round():
+    def rec(method, rep, tps):
+        return {"method": method, "status": "ok", "gen_len": 16, "batch_size": 1, "sampling": "greedy",
+                "repeat": rep, "segments": [{"start": i, "end": i + 8, "tokens_per_s": v} for i, v in enumerate(tps)]}
+    recs = [rec("ar", 0, [10.0, 8.0]), rec("ar", 1, [20.0, 16.0]), rec("tokenswift", 0, [20.0, 24.0]),
+            rec("tokenswift", 1, [20.0, 32.0])]
+    recs[2]["segments"][1]["end"] = 19                                   # a speculative bound past AR's
+    segments.paired_segments(recs)
+    assert [s["speedup_vs_ar"] for s in recs[2]["segments"]] == [2.0, 3.0]
+    assert [s["speedup_vs_ar"] for s in recs[3]["segments"]] == [1.0, 2.0]
+    assert [s["speedup_vs_ar"] for s in recs[0]["segments"]] == [1.0, 1.0]
+    md = segments.markdown(recs)
+    assert "### ar, greedy (2 runs" in md and "### tokenswift, greedy (2 runs" in md
+    assert "| 0-8 | 20.0 | 1.50 |" in md                                 # medians of the two rounds
+
+
+def test_step_work_is_measured_per_history_length():
+    toks = [int(x) for x in np.random.default_rng(0).integers(3, 200, size=2600)]
+    toks = toks[:1300] + toks[:1300]                                      # repeats: n-gram chains exist
+    rows = probe.step_work_bench(histories=(500, 2000), steps=50, tokens=toks)
+    assert [r["history"] for r in rows] == [500, 2000]
+    for r in rows:
+        parts = r["ngram_update_us"] + r["ngram_chain_us"] + r["penalty_us"] + r["policy_us"]
+        assert r["total_us"] == pytest.approx(parts) and r["total_us"] > 0
+    assert rows[1]["ngram_entries"] > rows[0]["ngram_entries"] > 0 and rows[1]["table_mb"] > 0
+    assert "| 2,000 |" in probe.step_work_markdown(rows)
+
+
+def test_attention_microbench_rows():
+    rows = probe.attention_microbench([512], hq=6, hkv=2, d=64, q_lens=(1, 5), reps=2)
+    assert [(r["context"], r["q"]) for r in rows] == [(512, 1), (512, 5)]
+    assert all(r["vllm_ms"] > 0 and r["plugin_ms"] > 0 and r["max_abs_diff"] < 1e-4 for r in rows)
+    md = probe.markdown([], rows)
+    assert "| 512 | 5 |" in md
+
+
+def test_ngram_table_entries_grow_with_distinct_text():
+    from vllm_tokenswift.ngram import NGramTable
+
+    t = NGramTable(4)
+    t.extend([1, 2, 3, 4] * 50)
+    looped = t.num_entries()
+    u = NGramTable(4)
+    u.extend(list(range(200)))
+    assert u.num_entries() > looped > 200          # every token is indexed, distinct text holds more
+
+
+def test_generate_report_prints_the_decode_phase_speedup():
+    from vllm_tokenswift.generate import print_report
+
+    res = {"prompt_tokens": 10, "num_tokens": 100, "ar_tokens_per_s": 10.0, "tokens_per_s": 12.0,
+           "ar_wall_s": 10.0, "wall_s": 8.3, "ar_decode_tokens_per_s": 11.0, "decode_tokens_per_s": 16.5,
+           "speedup": 1.2, "decode_speedup": 1.5, "acceptance_rate": 0.2, "mean_accepted_length": 1.5}
+    buf = io.StringIO()
+    print_report(res, buf)
+    text = buf.getvalue()
+    assert "decode tokens/s" in text and "16.50" in text
+    assert "speedup: 1.20x (whole run, prefill included)   decode-phase speedup: 1.50x" in text
