@@ -48,9 +48,9 @@ if _XDIST.startswith("gw") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and
 #: test files by how long they take (seconds in a serial run), heaviest first: collected in
 #: this order, so that xdist hands the long files out first and the two workers finish
 #: together (files not listed follow in their usual order)
-HEAVY_FILES = ("test_engine_lossless.py", "test_openai_server.py", "test_tensor_parallel.py",
-               "test_engine_sampled.py", "test_models.py", "test_engine_lifecycle.py",
-               "test_engine_compiled.py", "test_engine_long_context.py", "test_serve_cli.py",
+HEAVY_FILES = ("test_openai_server.py", "test_tensor_parallel.py", "test_engine_lossless_llama.py",
+               "test_engine_lossless_qwen.py", "test_engine_lossless_chunked.py", "test_engine_sampled.py",
+               "test_models.py", "test_engine_lifecycle.py", "test_engine_compiled.py", "test_engine_long_context.py", "test_serve_cli.py",
                "test_startup_errors.py", "test_packaging.py")
 
 _PROC = Path("/proc")

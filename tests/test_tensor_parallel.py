@@ -294,8 +294,10 @@ def _stable(stats: dict) -> dict:
 def omp_bind(monkeypatch):
     # TP=2 needs one entry per rank; a single-entry binding (e.g. "1", used to pin other
     # engine tests) is replaced too
-    if "|" not in os.environ.get("VLLM_CPU_OMP_THREADS_BIND", ""):
-        c = _first_allowed_cpu()
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    if "|" not in bind:
+        # a test worker's own core (conftest pins each xdist worker to one), else the first
+        c = int(bind) if bind.isdigit() else _first_allowed_cpu()
         monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{c}|{c}")
 
 

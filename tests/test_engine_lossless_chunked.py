@@ -1,0 +1,31 @@
+"""Lossless end-to-end, chunked prefill and preemption (small max_num_batched_tokens and KV cache, adaptive policy) (see ``lossless_utils``)."""
+
+from __future__ import annotations
+
+import pytest
+from lossless_utils import VOCAB, check_identical, run_pair
+from tiny_models import build_random_heads, build_tiny_model
+
+pytestmark = pytest.mark.engine  # starts vLLM engines (not in ./scripts/test.sh --fast)
+
+
+@pytest.fixture(scope="module")
+def chunked_runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("llama_chunked")
+    model = build_tiny_model(d / "model", "llama", vocab_size=VOCAB, hidden_size=128, heads=4, kv_heads=2, seed=5)
+    heads = build_random_heads(d / "heads", 128, seed=6)
+    # ~12K tokens of KV for 8 requests of up to 3.3K tokens: preemption is certain
+    return run_pair(str(model), str(heads), tmp_extra={"max_num_batched_tokens": 256, "max_num_seqs": 8,
+                                                       "kv_cache_memory_bytes": 12 * 2**20},
+                    modes=(None, "window"))   # the global penalty is covered by the other pairs
+
+
+@pytest.mark.parametrize("mode", [None, "window"])
+def test_chunked_prefill_identical(chunked_runs, mode):
+    check_identical(chunked_runs, mode)
+
+
+def test_preemption_happened(chunked_runs):
+    base, out, stats, metrics = chunked_runs
+    assert metrics["vllm:num_preemptions"] > 0
+    assert stats["num_live_requests"] <= 1
