@@ -4,6 +4,8 @@
 #   bash scripts/bench-long.sh BLOCK [BLOCK...]
 # Blocks (minutes on the 2-vCPU box, mostly prefill: ~9 minutes per engine at 96K):
 #   probe          cost probe, demo model: decode / verify / draft-forward steps at 8K-96K  (~75)
+#   probe-32k      the probe at 32K only (kv_budget 512/1024/4096, both kernels)            (~12)
+#   probe-96k      the probe at 96K only (kv_budget 1024, both kernels)                     (~22)
 #   probe-smollm2  cost probe, SmolLM2 with YaRN x2 at 8K and 16K                            (~20)
 #   context-8k context-32k context-64k context-96k
 #                  demo model, YaRN x5, a prefix of The Brothers Karamazov (held out), 1,024
@@ -15,7 +17,6 @@
 #                  Table 5), the paper's sampling                                            (~30)
 #   smollm2        SmolLM2-135M, YaRN x4, 2K prefix, 16K tokens, AR / TokenSwift, both
 #                  samplings, figures per 4K segment                                         (~80)
-#   tables         regenerate docs/bench/long/README.md tables from the finished folders
 # Prefix caching is on, so a prefix is prefilled once per engine, not once per run; the
 # decode-phase speedup (decode_speedup_vs_ar) is the figure that counts. Suffix decoding
 # needs arctic-inference (recipe in vllm_tokenswift/bench/harness.py).
@@ -26,9 +27,11 @@ OUT=${OUT:-docs/bench/long}
 BOOK=28054
 COMMON=(--quiet --engine-arg enable_prefix_caching=true --kv-cache-gb 1.5)
 
+# METHODS and REPEATS override the context blocks' methods and paired rounds
 context() {   # context PREFIX_TOKENS NAME
   $VT bench --model tiny --yarn 5 --book $BOOK --prefix-len "$1" --gen-lens 1024 \
-    --methods ar,tokenswift,suffix,ngram --sampling greedy,paper --interleave --repeats 2 \
+    --methods "${METHODS:-ar,tokenswift,suffix,ngram}" --sampling greedy,paper --interleave \
+    --repeats "${REPEATS:-2}" \
     "${COMMON[@]}" --out "$OUT/$2"
 }
 
@@ -36,6 +39,8 @@ for block in "$@"; do
   echo "== $block ($(date -u +%H:%M))"
   case "$block" in
     probe) $VT probe --model tiny --step-work --out "$OUT/probe-tiny" ;;
+    probe-32k) $VT probe --model tiny --contexts 32768 --step-work --out "$OUT/probe-32k" ;;
+    probe-96k) $VT probe --model tiny --contexts 98304 --kv-budgets 1024 --out "$OUT/probe-96k" ;;
     probe-smollm2) $VT probe --model smollm2 --yarn 2 --contexts 8192,16384 --out "$OUT/probe-smollm2" ;;
     context-8k) context 8192 context-8k ;;
     context-32k) context 32768 context-32k ;;
@@ -52,7 +57,6 @@ for block in "$@"; do
     smollm2)
       $VT bench --model smollm2 --yarn 4 --prefix-len 2048 --gen-lens 16384 --methods ar,tokenswift \
         --sampling greedy,paper --interleave --segment-tokens 4096 "${COMMON[@]}" --out "$OUT/smollm2-16k" ;;
-    tables) .venv/bin/python -m vllm_tokenswift.bench.long_tables "$OUT" ;;
     *) echo "unknown block $block" >&2; exit 2 ;;
   esac
 done

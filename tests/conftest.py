@@ -36,14 +36,29 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-# Under pytest-xdist (./scripts/test.sh runs two workers), each worker's in-process engines
-# use one OpenMP thread bound to a core of their own: two workers then run side by side at
-# full speed (measured: two engine test files pinned to one core each took 2-4% longer
-# than alone), where unbound engines would each try to use both cores.
+# Under pytest-xdist (./scripts/test.sh runs two workers), each worker process is pinned to
+# a core of its own (every thread it has and will start, and the processes it spawns:
+# servers, tensor-parallel ranks) and its engines use one OpenMP thread bound to that
+# core. Two workers then run side by side at full speed; unpinned, each worker's main
+# thread and OpenMP thread competed for both cores (four busy threads on two cores: the
+# lossless files took 3x longer than in a serial run).
 _XDIST = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _XDIST.startswith("gw") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and hasattr(os, "sched_getaffinity"):
     _cpus = sorted(os.sched_getaffinity(0))
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(_cpus[int(_XDIST[2:]) % len(_cpus)])
+    _core = _cpus[int(_XDIST[2:]) % len(_cpus)]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(_core)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    for _tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(_tid), {_core})
+        except OSError:
+            pass
+    try:  # torch may already be imported (its thread pool sized before the pinning)
+        import torch as _torch
+
+        _torch.set_num_threads(1)
+    except ImportError:
+        pass
 
 #: test files by how long they take (seconds in a serial run), heaviest first: collected in
 #: this order, so that xdist hands the long files out first and the two workers finish
