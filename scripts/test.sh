@@ -19,7 +19,8 @@ for a in "$@"; do
 done
 # two workers (pytest-xdist), a test file per worker at a time (its module fixtures stay
 # together), files handed out in collection order (tests/conftest.py puts the slowest
-# first; xdist's default reorder by test count would leave them for last); TOKENSWIFT_TEST_WORKERS=0 runs everything in this process
+# first; xdist's default reorder by test count would leave them for last);
+# TOKENSWIFT_TEST_WORKERS=0 runs everything in this process
 WORKERS=${TOKENSWIFT_TEST_WORKERS:-2}
 XDIST=()
 if [ "$WORKERS" != 0 ]; then XDIST=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder); fi
