@@ -1,4 +1,4 @@
-"""The fail-closed patch helper (vllm_tokenswift/patches.py) on synthetic targets: it
+"""The fail-closed patch helper (vllm_tokenswift/patches/__init__.py) on synthetic targets: it
 installs all of a patch or nothing, refuses targets that are not vLLM's original (another
 plugin's replacement, a changed signature, a subclass override), is idempotent, and
 `require` names every missing patch."""

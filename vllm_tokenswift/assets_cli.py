@@ -11,35 +11,11 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
-ASSETS = Path(__file__).resolve().parent / "assets"
-DEMO_MODEL = ASSETS / "demo-model"
-DEMO_HEADS = ASSETS / "demo-heads"
-#: the same folders under the name used on the command line (``--model tiny``)
-TINY_MODEL = DEMO_MODEL
-TINY_HEADS = DEMO_HEADS
-#: TokenSwift heads trained for SmolLM2-135M-Instruct (the default target)
-SMOLLM2_HEADS = ASSETS / "smollm2-heads"
-PROMPTS_DIR = ASSETS / "prompts"
-
-
-def bundled_prompts() -> list[Path]:
-    """Bundled prompt files (public-domain book openings), sorted by name."""
-    return sorted(PROMPTS_DIR.glob("*.txt"))
-
-
-def default_prompt() -> Path:
-    """The prompt the demo uses: the first ``*-2k.txt`` file, else the first prompt.
-
-    Raises:
-        FileNotFoundError: if the package ships no prompts.
-    """
-    files = bundled_prompts()
-    if not files:
-        raise FileNotFoundError(f"no bundled prompts in {PROMPTS_DIR}")
-    two_k = [f for f in files if f.name.endswith("-2k.txt")]
-    return (two_k or files)[0]
+from vllm_tokenswift.locations import (ASSETS, DEMO_HEADS, DEMO_MODEL, PROMPTS_DIR,  # noqa: F401
+                                       SMOLLM2_HEADS, TINY_HEADS, TINY_MODEL, bundled_prompts,
+                                       default_prompt)
+from vllm_tokenswift.models import ModelFetchError, fetch_model, resolve_target
 
 
 def paths(fetch: bool = True) -> dict:
@@ -52,7 +28,6 @@ def paths(fetch: bool = True) -> dict:
     Raises:
         vllm_tokenswift.models.ModelFetchError: ``fetch`` and the conversion failed.
     """
-    from vllm_tokenswift.models import resolve_target
 
     model, heads = resolve_target("smollm2", fetch=fetch)
     return {"model": model, "heads": heads, "tiny_model": str(TINY_MODEL),
@@ -89,7 +64,6 @@ def add_parser(sub) -> None:
 
 
 def _print_paths(args) -> int:
-    from vllm_tokenswift.models import ModelFetchError
 
     try:
         d = paths(fetch=not args.no_fetch)
@@ -106,7 +80,6 @@ def _print_paths(args) -> int:
 
 
 def _fetch_model(args) -> int:
-    from vllm_tokenswift.models import ModelFetchError, fetch_model
 
     try:
         folder = fetch_model(cache_dir=args.cache_dir, gguf=args.gguf, force=args.force, verify=args.verify)

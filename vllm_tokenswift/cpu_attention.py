@@ -95,7 +95,7 @@ def builder_settings(builder) -> BuilderSettings:
 
 
 def _decide(builder) -> BuilderSettings:
-    from vllm_tokenswift.plugin import is_tokenswift_spec
+    from vllm_tokenswift.patches.common import is_tokenswift_spec
 
     vc = builder.vllm_config
     sc = vc.speculative_config

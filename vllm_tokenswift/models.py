@@ -495,7 +495,7 @@ def default_heads(model: str | os.PathLike, cache_dir: str | os.PathLike | None 
     SmolLM2's converted folder maps to ``assets/smollm2-heads`` (whether or not that
     folder exists yet), the bundled demo model to ``assets/demo-heads``.
     """
-    from vllm_tokenswift.assets_cli import DEMO_HEADS, DEMO_MODEL, SMOLLM2_HEADS
+    from vllm_tokenswift.locations import DEMO_HEADS, DEMO_MODEL, SMOLLM2_HEADS
 
     try:
         p = Path(model).expanduser().resolve()
@@ -522,7 +522,7 @@ def resolve_target(model: str = "smollm2", heads: str | None = None, *, fetch: b
     Raises:
         ModelFetchError: ``smollm2`` had to be converted and that failed.
     """
-    from vllm_tokenswift.assets_cli import DEMO_HEADS, DEMO_MODEL, SMOLLM2_HEADS
+    from vllm_tokenswift.locations import DEMO_HEADS, DEMO_MODEL, SMOLLM2_HEADS
 
     name = str(model).strip()
     if name.lower() == "tiny":

@@ -637,6 +637,20 @@ def _spec_counters(llm: Any, collectors: list | None = None) -> dict[str, Any]:
         return report.spec_counters_from_metrics([])
 
 
+def snapshot(llm: Any, tokens: int, steps: int, is_ts: bool, collectors: list | None = None) -> dict:
+    """The counters of a running engine after ``tokens`` output tokens and ``steps`` steps."""
+    from vllm_tokenswift.metrics import get_engine_stats
+
+    snap = {"t": time.perf_counter(), "tokens": int(tokens), "steps": int(steps),
+            "spec": _spec_counters(llm, collectors), "plugin": None}
+    if is_ts:
+        try:
+            snap["plugin"] = get_engine_stats(llm)
+        except Exception:  # noqa: BLE001 - figures, not the run
+            snap["plugin"] = None
+    return snap
+
+
 def spec_metric_collectors() -> list:
     """The Prometheus collectors of vLLM's speculative-decoding counters now in this
     process's registry: those of the engine built last (vLLM unregisters an earlier
@@ -803,7 +817,7 @@ def timed_run_segments(llm: Any, prompt: list[int], sp_kwargs: dict[str, Any], g
         if n >= next_mark or (final is not None and (not snaps or snaps[-1]["tokens"] < n)):
             if t_first is None and n:
                 t_first = time.perf_counter()
-            snaps.append(seg.snapshot(llm, n, steps, plugin_stats, collectors))
+            snaps.append(snapshot(llm, n, steps, plugin_stats, collectors))
             next_mark = (n // segment_tokens + 1) * segment_tokens if n else 1
     wall = time.perf_counter() - t0
     ids = list(final.outputs[0].token_ids)

@@ -3,12 +3,12 @@ the paper's Table 3 and Figure 3: how speed, acceptance and the proposer's cost 
 memory change as the output grows.
 
 While a single request generates, the harness takes a *snapshot* every ``N`` output
-tokens (:func:`snapshot`): the wall clock, the engine steps so far, vLLM's
-speculative-decoding counters and, on TokenSwift engines, the plugin's counters and
-memory figures. :func:`segments_from_snapshots` turns consecutive snapshots into one
+tokens (:func:`vllm_tokenswift.bench.harness.snapshot`): the wall clock, the engine steps
+so far, vLLM's speculative-decoding counters and, on TokenSwift engines, the plugin's
+counters and memory figures. :func:`segments_from_snapshots` turns consecutive snapshots into one
 row per segment; :func:`paired_segments` divides each method's segment speed by AR's
 speed over the same segment of the same round; :func:`markdown` and :func:`plot` show
-them. Everything but :func:`snapshot` is engine-free.
+them. Everything here is engine-free (the snapshots are taken by the harness).
 
 Per segment: ``tokens``, ``wall_s``, ``steps``, ``tokens_per_s``, ``tokens_per_step``,
 ``acceptance_rate`` (α, Eq. 4, from vLLM's counters), ``ngram_acceptance`` (β, Eq. 6,
@@ -20,38 +20,22 @@ the segment's end (``history_tokens``, ``ngram_entries``, ``rss_bytes``) and
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any, Sequence
 
-from vllm_tokenswift.bench import report
-
-
-def snapshot(llm: Any, tokens: int, steps: int, is_ts: bool, collectors: list | None = None) -> dict:
-    """The counters of a running engine after ``tokens`` output tokens and ``steps`` steps."""
-    from vllm_tokenswift.bench.harness import _spec_counters
-    from vllm_tokenswift.metrics import get_engine_stats
-
-    snap = {"t": time.perf_counter(), "tokens": int(tokens), "steps": int(steps),
-            "spec": _spec_counters(llm, collectors), "plugin": None}
-    if is_ts:
-        try:
-            snap["plugin"] = get_engine_stats(llm)
-        except Exception:  # noqa: BLE001 - figures, not the run
-            snap["plugin"] = None
-    return snap
+from vllm_tokenswift.bench import counters
 
 
 def _delta(a: dict | None, b: dict | None) -> dict:
     if not isinstance(a, dict) or not isinstance(b, dict):
         return {}
-    return report.counter_delta(a, b)
+    return counters.counter_delta(a, b)
 
 
 def segments_from_snapshots(snaps: Sequence[dict], token_ids: Sequence[int], k: int | None) -> list[dict]:
     """One row per pair of consecutive snapshots (see the module doc).
 
     Args:
-        snaps: from :func:`snapshot`, in time order (the first at the first token).
+        snaps: from :func:`vllm_tokenswift.bench.harness.snapshot`, in time order (the first at the first token).
         token_ids: the request's output token ids (for Distinct-n per segment).
         k: ``num_speculative_tokens`` (None for AR).
     """
@@ -60,7 +44,7 @@ def segments_from_snapshots(snaps: Sequence[dict], token_ids: Sequence[int], k: 
         n = b["tokens"] - a["tokens"]
         wall = b["t"] - a["t"]
         steps = b["steps"] - a["steps"]
-        acc = report.acceptance_from_counters(_delta(a["spec"], b["spec"]), k)
+        acc = counters.acceptance_from_counters(_delta(a["spec"], b["spec"]), k)
         row: dict[str, Any] = {
             "start": a["tokens"], "end": b["tokens"], "tokens": n, "wall_s": wall, "steps": steps,
             "tokens_per_s": n / wall if wall > 0 else None,
@@ -79,7 +63,7 @@ def segments_from_snapshots(snaps: Sequence[dict], token_ids: Sequence[int], k: 
             mem = pb.get("memory") or {}
             row.update(history_tokens=mem.get("history_tokens"), ngram_entries=mem.get("ngram_entries"),
                        rss_bytes=mem.get("rss_bytes"))
-        row.update(report.distinct_scores([list(token_ids[a["tokens"]: b["tokens"]])]))
+        row.update(counters.distinct_scores([list(token_ids[a["tokens"]: b["tokens"]])]))
         rows.append(row)
     return rows
 
@@ -124,7 +108,7 @@ def markdown(records: list[dict]) -> str:
                 vals = [s.get(key) for s in col if s.get(key) is not None]
                 return statistics.median(vals) if vals else None
 
-            mix = report.decision_mix_fractions(report._sum_dicts([s.get("steps_by_kind") for s in col]))
+            mix = counters.decision_mix_fractions(counters._sum_dicts([s.get("steps_by_kind") for s in col]))
             mix_s = "/".join(f"{100 * mix.get(k, 0):.0f}" for k in ("forward", "fused", "ngram", "none")) \
                 if mix else "-"
             rss = med("rss_bytes")

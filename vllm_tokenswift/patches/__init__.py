@@ -17,6 +17,15 @@ Arctic Inference's ``ArcticPatch`` and vllm-ascend's patch registry:
   instead of running with, say, min_p silently ignored in verification. Engines
   without TokenSwift never call it: a failed patch leaves vLLM's original in place.
 
+The patches themselves live beside this helper, one module per vLLM subsystem
+(:mod:`~vllm_tokenswift.patches.engine_args`, :mod:`~vllm_tokenswift.patches.runner`,
+:mod:`~vllm_tokenswift.patches.sampling`, :mod:`~vllm_tokenswift.patches.outputs`,
+:mod:`~vllm_tokenswift.patches.api_metrics`, :mod:`~vllm_tokenswift.patches.attention`),
+each holding its :class:`Patch` records next to their replacement functions;
+:mod:`vllm_tokenswift.plugin` lists them in application order and declares which ones a
+TokenSwift engine requires (:func:`declare_required`, checked by :func:`require_declared`).
+This module imports none of them (no import circle).
+
 ``python -m vllm_tokenswift.patches`` prints the record for the installed vLLM;
 ``--source DIR`` checks the targets statically against an unpacked vLLM source tree
 (how the vLLM 0.33 wheel, which cannot run on CPU, was checked).
@@ -28,7 +37,6 @@ import ast
 import importlib
 import inspect
 import logging
-import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -394,6 +402,36 @@ def require(names, what: str = "TokenSwift") -> None:
             "plugins that patch the same functions.")
 
 
+#: names of the patches a TokenSwift engine requires, set by :mod:`vllm_tokenswift.plugin`
+#: when it is imported (None: the plugin was never imported in this process)
+_REQUIRED: tuple[str, ...] | None = None
+
+
+def declare_required(names) -> None:
+    """Set the names of the patches a TokenSwift engine requires (the plugin's table)."""
+    global _REQUIRED
+    _REQUIRED = tuple(names)
+
+
+def required_names() -> list[str]:
+    """The names set by :func:`declare_required` (empty before the plugin is imported)."""
+    return list(_REQUIRED or ())
+
+
+def require_declared(what: str = "TokenSwift") -> None:
+    """:func:`require` for every patch the plugin declared required.
+
+    Raises:
+        TokenSwiftPatchError: a required patch is not active here, or the plugin
+            (:mod:`vllm_tokenswift.plugin`) was never imported in this process.
+    """
+    if _REQUIRED is None:
+        raise TokenSwiftPatchError(
+            f"{what} cannot start: the vllm-tokenswift plugin is not loaded in this process "
+            "(vllm_tokenswift.plugin was never imported; check VLLM_PLUGINS)")
+    require(_REQUIRED, what)
+
+
 # ------------------------------------------------------------------ static check of a source tree
 def _find_def(tree: ast.AST, dotted: list[str]):
     node = tree
@@ -500,55 +538,3 @@ def check_source_target(root: Path, target: Target, _depth: int = 0) -> list[str
         problems.append(f"{target.path}: signature ({', '.join(_ast_params(node))}) differs from the "
                         f"expected ({' | '.join(', '.join(w) for w in want)})")
     return problems
-
-
-def _main(argv=None) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m vllm_tokenswift.patches",
-                                description="Show the plugin's vLLM patches and check their targets")
-    p.add_argument("--source", help="check statically against an unpacked vLLM source tree "
-                                    "(the folder that contains vllm/) instead of the installed vLLM")
-    args = p.parse_args(argv)
-    from vllm_tokenswift import patches as reg  # not __main__'s copy of this module
-    from vllm_tokenswift import plugin
-
-    bad = 0
-    if args.source:
-        root = Path(args.source)
-        print(f"vLLM source tree {root} (series {source_minor(root)})")
-        for patch in plugin.PATCHES:
-            probs = []
-            for t in patch.targets + patch.reads:
-                probs += reg.check_source_target(root, t)
-            bad += bool(probs)
-            print(f"{patch.name:24s} {'OK' if not probs else 'PROBLEM'}")
-            for pr in probs:
-                print(f"    {pr}")
-        probs = []
-        for t in plugin.INTERFACES:
-            probs += reg.check_source_target(root, t)
-        bad += bool(probs)
-        print(f"{'(proposer interfaces)':24s} {'OK' if not probs else 'PROBLEM'}")
-        for pr in probs:
-            print(f"    {pr}")
-        return 1 if bad else 0
-    plugin.register()
-    from vllm_tokenswift.compat import vllm_version
-
-    print(f"installed vLLM {vllm_version()}")
-    for patch in plugin.PATCHES:
-        r = reg.RECORDS.get(patch.name)
-        status = r.status if r else "never applied"
-        print(f"{patch.name:24s} {status:11s} {'required' if patch.required else 'optional':8s} "
-              f"{r.detail if r else ''}")
-        bad += bool(r is None or (r.status == "failed" and patch.required))
-    probs = [pr for t in plugin.INTERFACES for pr in reg.check_target(t)]
-    print(f"{'(proposer interfaces)':24s} {'OK' if not probs else 'PROBLEM'}")
-    for pr in probs:
-        print(f"    {pr}")
-    return 1 if bad or probs else 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main())
