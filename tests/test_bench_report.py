@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from vllm_tokenswift import engine_helpers
 from vllm_tokenswift.bench import harness, report
 
 
@@ -367,7 +368,7 @@ def test_plugin_stats_delta_without_reset(monkeypatch):
          "num_speculative_tokens": 4, "ngram_acceptance": 0.9, "draft_time_share": 0.9},
     ])
     fns = {"reset_engine_stats": lambda llm: False, "get_engine_stats": lambda llm: next(snaps)}
-    monkeypatch.setattr(harness, "_plugin_fn", lambda name: fns.get(name))
+    monkeypatch.setattr(engine_helpers, "_plugin_fn", lambda name: fns.get(name))
     was_reset, before = harness.plugin_stats_before(object())
     assert was_reset is False and before["verified_drafts"] == 10
     res = harness.plugin_stats_after(object(), was_reset, before, k=4)
@@ -381,12 +382,12 @@ def test_plugin_stats_with_reset_and_absent(monkeypatch):
     stats = {"verified_drafts": 5, "ngram_acceptance": 0.3, "draft_time_share": 0.4,
              "time_draft_s": 0.5, "time_total_s": 1.25}
     fns = {"reset_engine_stats": lambda llm: True, "get_engine_stats": lambda llm: dict(stats)}
-    monkeypatch.setattr(harness, "_plugin_fn", lambda name: fns.get(name))
+    monkeypatch.setattr(engine_helpers, "_plugin_fn", lambda name: fns.get(name))
     was_reset, before = harness.plugin_stats_before(object())
     res = harness.plugin_stats_after(object(), was_reset, before, k=4)
     assert (res["ngram_acceptance"], res["draft_time_share"]) == (0.3, 0.4)
     assert res["time_verify_s"] == pytest.approx(0.75)
-    monkeypatch.setattr(harness, "_plugin_fn", lambda name: None)
+    monkeypatch.setattr(engine_helpers, "_plugin_fn", lambda name: None)
     res = harness.plugin_stats_after(object(), False, None, k=4)
     assert res["ngram_acceptance"] is None and res["time_draft_s"] is None
 
@@ -549,7 +550,7 @@ def test_plugin_stats_carry_steps_by_kind(monkeypatch):
          "accepted_by_kind": {"forward": 30, "fused": 9, "ngram": 10, "none": 0}},
     ])
     fns = {"reset_engine_stats": lambda llm: False, "get_engine_stats": lambda llm: next(snaps)}
-    monkeypatch.setattr(harness, "_plugin_fn", lambda name: fns.get(name))
+    monkeypatch.setattr(engine_helpers, "_plugin_fn", lambda name: fns.get(name))
     was_reset, before = harness.plugin_stats_before(object())
     res = harness.plugin_stats_after(object(), was_reset, before, k=4)
     assert res["steps_by_kind"] == {"forward": 12, "fused": 4, "ngram": 4, "none": 1}

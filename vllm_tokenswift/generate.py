@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from vllm_tokenswift.assets_cli import default_prompt
-from vllm_tokenswift.bench.harness import engine_output_to, teardown_engine
+from vllm_tokenswift.engine_helpers import engine_output_to, teardown_engine
 
 #: TokenSwift settings of the demo and ``generate`` for SmolLM2 on CPU (KV blocks of 128
 #: tokens on vLLM's CPU backend, so a 1,024-token budget is 8 blocks).
@@ -82,7 +82,7 @@ def engine_kwargs(model: str, max_model_len: int, seed: int, kv_cache_gb: float 
 
 
 def _spec_counters(llm) -> dict:
-    from vllm_tokenswift.bench.report import spec_counters_from_metrics
+    from vllm_tokenswift.counters import spec_counters_from_metrics
 
     return spec_counters_from_metrics(llm.get_metrics())
 
@@ -110,8 +110,8 @@ def run_one(llm, prompt_ids: list[int], params, label: str, progress: bool = Tru
     """
     from tqdm import tqdm
 
-    from vllm_tokenswift.bench.harness import plugin_stats_after, plugin_stats_before
-    from vllm_tokenswift.bench.report import acceptance_from_counters, counter_delta
+    from vllm_tokenswift.engine_helpers import plugin_stats_after, plugin_stats_before
+    from vllm_tokenswift.counters import acceptance_from_counters, counter_delta
     from vllm_tokenswift.plugin import is_tokenswift_spec
 
     engine = llm.llm_engine
@@ -353,7 +353,7 @@ def _f(x, fmt="{:.2f}") -> str:
 def decision_mix(steps_by_kind: dict | None) -> str | None:
     """``"forward 61% · fused 27% · ngram 12%"`` from a ``steps_by_kind`` dict (kinds
     with no steps left out), or None without steps."""
-    from vllm_tokenswift.bench.report import decision_mix_fractions
+    from vllm_tokenswift.counters import decision_mix_fractions
 
     frac = decision_mix_fractions(steps_by_kind)
     if not frac:

@@ -1,5 +1,5 @@
-"""Figures from raw counters and tokens, shared by the benchmark report and the
-per-segment rows: Distinct-n, vLLM's speculative-decoding counters (from
+"""Figures from raw counters and tokens, shared by ``generate``, the benchmark report and
+the per-segment rows: Distinct-n, vLLM's speculative-decoding counters (from
 ``LLM.get_metrics()`` or the Prometheus collectors) and their deltas, α and mean
 accepted length (paper Eq. 4), and the drafting policy's decision mix. Engine-free; no
 imports from the rest of the package.
