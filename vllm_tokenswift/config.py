@@ -385,3 +385,64 @@ class TokenSwiftConfig(BaseModel):
                 loc = ".".join(str(x) for x in err["loc"]) or "tokenswift"
                 lines.append(f"  tokenswift.{loc}: {err['msg']}")
             raise TokenSwiftConfigError("invalid TokenSwift config:\n" + "\n".join(lines)) from None
+
+
+#: The only verification TokenSwift is lossless and tested with (vLLM's
+#: ``rejection_sample_method``).
+LOSSLESS_REJECTION_METHODS = ("standard",)
+
+
+def validate(vllm_config, *, logits_all_gathered: bool | None = None) -> TokenSwiftConfig:
+    """Every check of a finished TokenSwift ``VllmConfig``; the one validation that both
+    the front end (when the engine is created, before any worker exists) and the
+    proposer (when vLLM builds it in the worker) run.
+
+    Checks the settings in ``additional_config["tokenswift"]``, the verification method,
+    pipeline parallelism, full attention in every layer, the budget against the KV
+    block size, the sink and ``max_model_len``, the heads against the model, and under
+    tensor parallelism that every rank gets the logits (vLLM's ``Platform.use_all_gather``).
+
+    Args:
+        vllm_config: vLLM's ``VllmConfig`` of a TokenSwift engine.
+        logits_all_gathered: whether every TP rank receives the full logits; None asks
+            vLLM's current platform.
+
+    Returns:
+        the validated :class:`TokenSwiftConfig`.
+
+    Raises:
+        TokenSwiftConfigError: one message naming the setting and, where there is one,
+            the smallest (or largest) valid value.
+    """
+    raw = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+    if raw is None:
+        raise TokenSwiftConfigError(
+            f'TokenSwift needs its settings in additional_config["{ADDITIONAL_CONFIG_KEY}"]: use '
+            'speculative_config={"method": "tokenswift", ...} with the vllm-tokenswift plugin '
+            "instead of naming the proposer class")
+    cfg = raw if isinstance(raw, TokenSwiftConfig) else TokenSwiftConfig.parse(dict(raw))
+    method = getattr(vllm_config.speculative_config, "rejection_sample_method", "standard")
+    if method not in LOSSLESS_REJECTION_METHODS:
+        raise TokenSwiftConfigError(
+            f"rejection_sample_method={method!r} cannot be used with TokenSwift (only 'standard' "
+            "verification is lossless on the runner TokenSwift uses)")
+    par = vllm_config.parallel_config
+    if int(getattr(par, "pipeline_parallel_size", 1) or 1) > 1:
+        raise TokenSwiftConfigError(
+            "TokenSwift does not support pipeline_parallel_size > 1: the drafter runs the "
+            "target's own forward, which only the last pipeline stage could run")
+    mc = vllm_config.model_config
+    hf = mc.hf_text_config
+    cfg.check_attention(hf)
+    cfg.check_engine(block_size=int(vllm_config.cache_config.block_size),
+                     max_model_len=int(mc.max_model_len), hidden_size=int(hf.hidden_size))
+    if int(getattr(par, "tensor_parallel_size", 1) or 1) > 1:
+        if logits_all_gathered is None:
+            from vllm.platforms import current_platform
+
+            logits_all_gathered = bool(current_platform.use_all_gather())
+        if not logits_all_gathered:
+            raise TokenSwiftConfigError(
+                "TokenSwift with tensor_parallel_size > 1 needs the logits gathered on every rank "
+                "(Platform.use_all_gather() is False on this platform); use tensor_parallel_size=1")
+    return cfg

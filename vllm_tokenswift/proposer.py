@@ -58,12 +58,13 @@ from vllm_tokenswift import policy as pol
 from vllm_tokenswift.chain import (SOURCE_FUSED, SOURCE_HEADS, SOURCE_NGRAM, Chain, build_chain,
                                    extend_chain, ngram_chain, select_chain)
 from vllm_tokenswift.cpu_attention import verify_attention_counts
-from vllm_tokenswift.config import (ADDITIONAL_CONFIG_KEY, PolicyTuning, TokenSwiftConfig,
-                                    TokenSwiftConfigError)
+from vllm_tokenswift.config import PolicyTuning, TokenSwiftConfigError
+from vllm_tokenswift.config import validate as validate_engine_config
 from vllm_tokenswift.draft_forward import TargetAccess, tp_all_gather, tp_broadcast_from_rank0
 from vllm_tokenswift.kv_view import RequestView, ViewPlanner, sum_over_ranks
 from vllm_tokenswift.metrics import TokenSwiftStats
 from vllm_tokenswift.ngram import NGramTable
+from vllm_tokenswift.patches.common import finished_request_ids
 from vllm_tokenswift.penalty import window_from_params
 from vllm_tokenswift.profiling import PROFILE
 
@@ -223,8 +224,10 @@ class TokenSwiftProposer:
     ``vllm_config.additional_config["tokenswift"]`` (put there by the plugin).
 
     Raises (at engine start-up):
-        TokenSwiftConfigError: invalid settings, pipeline parallelism > 1, a
-            sliding-window/hybrid model, or the plugin's patches missing.
+        TokenSwiftConfigError: what :func:`vllm_tokenswift.config.validate` refuses (the
+            front end ran the same validation when the engine was created), or a model
+            without a final norm / attention layers.
+        vllm_tokenswift.patches.TokenSwiftPatchError: the plugin's patches missing.
         vllm_tokenswift.heads.HeadsLoadError: heads that do not fit the target.
     """
 
@@ -233,30 +236,12 @@ class TokenSwiftProposer:
 
         check_vllm_version()
         self.vllm_config = vllm_config
-        raw = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
-        if raw is None:
-            raise TokenSwiftConfigError(
-                'TokenSwiftProposer needs its settings in additional_config["tokenswift"]; '
-                'use speculative_config={"method": "tokenswift", ...} with the vllm-tokenswift plugin'
-            )
-        self.cfg = raw if isinstance(raw, TokenSwiftConfig) else TokenSwiftConfig.parse(dict(raw))
-        sc = vllm_config.speculative_config
-        self.num_spec_tokens = int(sc.num_speculative_tokens)
-        if vllm_config.parallel_config.pipeline_parallel_size > 1:
-            raise TokenSwiftConfigError(
-                "TokenSwift does not support pipeline parallelism (pipeline_parallel_size > 1): "
-                "the drafter runs the target model's own forward, which lives across stages"
-            )
-        hf = vllm_config.model_config.hf_text_config
-        if getattr(hf, "use_sliding_window", False) or any(
-                t != "full_attention" for t in (getattr(hf, "layer_types", None) or [])):
-            raise TokenSwiftConfigError(
-                "TokenSwift supports full-attention decoder models only (this model uses "
-                "sliding-window or hybrid attention layers)")
+        # the same validation the front end ran when the engine was created
+        self.cfg = validate_engine_config(vllm_config)
+        self.num_spec_tokens = int(vllm_config.speculative_config.num_speculative_tokens)
         # tensor parallelism: every TP rank runs this proposer on its own heads' Q/KV
         self.tp_size = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
         self.block_size = int(vllm_config.cache_config.block_size)
-        self.cfg.check_block_size(self.block_size)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.vocab_size = int(vllm_config.model_config.get_vocab_size())
         self.engine_seed = int(getattr(vllm_config.model_config, "seed", 0) or 0)
@@ -315,13 +300,6 @@ class TokenSwiftProposer:
             self.heads = load_heads(self.cfg.heads, hidden_size=hidden, num_heads=self.cfg.num_heads,
                                     eps=eps, dtype=dtype, device=device)
             logger.info("TokenSwift: loaded %d draft heads from %s", self.heads.num_heads, self.cfg.heads)
-        if self.tp_size > 1:
-            lp = getattr(target_model, "logits_processor", None)
-            if lp is not None and not getattr(lp, "use_all_gather", True):
-                # every rank needs the draft logits (identical chains, q and RNG draws)
-                raise TokenSwiftConfigError(
-                    "TokenSwift with tensor_parallel_size > 1 needs the logits gathered on every "
-                    "rank (Platform.use_all_gather()); this platform gathers them on rank 0 only")
         groups = len(self.access.layer_names) if self.cfg.view_granularity == "layer" else 1
         self._planner = ViewPlanner(self.cfg.kv_budget, self.cfg.sink_tokens, self.block_size,
                                     self.cfg.draft_kv, groups)
@@ -334,11 +312,7 @@ class TokenSwiftProposer:
     # ----------------------------------------------------------------- state
     def _forget(self, scheduler_output, live: dict) -> None:
         """Free the state of finished, aborted, preempted and resumed requests."""
-        drop = set(scheduler_output.finished_req_ids or ())
-        drop |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
-        cached = scheduler_output.scheduled_cached_reqs
-        drop |= set(getattr(cached, "resumed_req_ids", None) or ())
-        self.release_requests(drop)
+        self.release_requests(finished_request_ids(scheduler_output))
         if len(self.states) > len(live):
             self.release_requests([r for r in self.states if r not in live])
 

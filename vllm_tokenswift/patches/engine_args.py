@@ -82,46 +82,21 @@ def translate_speculative_config(engine_args, model_config=None) -> None:
 def check_engine_config(vllm_config) -> None:
     """Check a finished TokenSwift ``VllmConfig`` in the front end, before any worker starts.
 
-    Everything the worker would otherwise find out at start-up is checked here, against
-    the resolved KV block size (platform default included: 16 on CUDA, 128 on CPU),
-    ``max_model_len`` and the model: the budget against the block size and the sink,
-    the budget against ``max_model_len``, the heads against the model, full-attention
-    layers only, and the verification method.
+    Everything the worker would otherwise find out at start-up is checked here: the
+    patches, then :func:`vllm_tokenswift.config.validate` (the same validation the
+    proposer runs in the worker: settings, verification method, pipeline and tensor
+    parallelism, full attention, the budget against the resolved KV block size, the sink
+    and ``max_model_len``, the heads), then ``VLLM_PLUGINS``.
 
     Raises:
         TokenSwiftConfigError: one message naming the setting and the smallest (or
             largest) valid value.
         TokenSwiftPatchError: a patch TokenSwift relies on is not active.
     """
-    from vllm_tokenswift.config import ADDITIONAL_CONFIG_KEY, TokenSwiftConfig, TokenSwiftConfigError
+    from vllm_tokenswift.config import TokenSwiftConfigError, validate
 
     require_declared()
-    raw = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
-    if raw is None:
-        raise TokenSwiftConfigError(
-            f'{PROPOSER_CLASS_PATH} needs its settings in additional_config["tokenswift"]: use '
-            'speculative_config={"method": "tokenswift", ...} instead of naming the class')
-    cfg = raw if isinstance(raw, TokenSwiftConfig) else TokenSwiftConfig.parse(dict(raw))
-    sc = vllm_config.speculative_config
-    method = getattr(sc, "rejection_sample_method", "standard")
-    if method not in LOSSLESS_REJECTION_METHODS:
-        raise TokenSwiftConfigError(
-            f"rejection_sample_method={method!r} cannot be used with TokenSwift (only 'standard' "
-            "verification is lossless on the runner TokenSwift uses)")
-    mc = vllm_config.model_config
-    hf = mc.hf_text_config
-    cfg.check_attention(hf)
-    cfg.check_engine(block_size=int(vllm_config.cache_config.block_size),
-                     max_model_len=int(mc.max_model_len), hidden_size=int(hf.hidden_size))
-    tp = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
-    if tp > 1:
-        from vllm.platforms import current_platform
-
-        if not current_platform.use_all_gather():
-            raise TokenSwiftConfigError(
-                "TokenSwift with tensor_parallel_size > 1 needs the logits gathered on every rank "
-                f"({type(current_platform).__name__}.use_all_gather() is False); use "
-                "tensor_parallel_size=1 on this platform")
+    validate(vllm_config)
     import vllm.envs as envs
 
     allowed = envs.VLLM_PLUGINS

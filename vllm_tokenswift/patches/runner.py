@@ -8,7 +8,7 @@ by RPC (``worker-stats-rpc``) and samples draft-free steps with the plain sample
 from __future__ import annotations
 
 from vllm_tokenswift.patches import Patch, Target
-from vllm_tokenswift.patches.common import _CPU_RUNNER, _RUNNER, _V32, is_tokenswift_spec
+from vllm_tokenswift.patches.common import _CPU_RUNNER, _RUNNER, _V32, finished_request_ids, is_tokenswift_spec
 
 
 # ------------------------------------------------------------------ runner hooks
@@ -44,10 +44,7 @@ def release_finished_states(runner, scheduler_output) -> int:
     fn = getattr(getattr(runner, "drafter", None), "release_requests", None)
     if fn is None:
         return 0
-    ids = set(getattr(scheduler_output, "finished_req_ids", None) or ())
-    ids |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
-    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
-    ids |= set(getattr(cached, "resumed_req_ids", None) or ())
+    ids = finished_request_ids(scheduler_output)
     return int(fn(ids) or 0) if ids else 0
 
 
