@@ -352,3 +352,42 @@ def test_draft_ids_travel_with_the_step_output():
     n = len(calls)
     post(core, True)
     assert got == [drafts] and len(calls) == n                          # and no RPC either
+
+
+def _engine_config(ts: dict | None, *, pp=1, tp=1, block=16, mml=4096, method="standard", layer_types=None):
+    hf = SimpleNamespace(hidden_size=64, layer_types=layer_types or ["full_attention"])
+    return SimpleNamespace(
+        additional_config={} if ts is None else {"tokenswift": ts},
+        speculative_config=SimpleNamespace(rejection_sample_method=method),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=pp, tensor_parallel_size=tp),
+        model_config=SimpleNamespace(hf_text_config=hf, max_model_len=mml),
+        cache_config=SimpleNamespace(block_size=block))
+
+
+def test_one_validation_for_front_end_and_worker():
+    from vllm_tokenswift.config import validate
+
+    ok = {"kv_budget": 256, "use_heads": False}
+    cfg = validate(_engine_config(ok))
+    assert isinstance(cfg, TokenSwiftConfig) and cfg.kv_budget == 256
+    assert validate(_engine_config(cfg.model_dump())) == cfg          # the worker gets the dumped dict
+    cases = [(_engine_config(None), 'additional_config\\["tokenswift"\\]'),
+             (_engine_config(ok, method="fly"), "rejection_sample_method='fly' cannot be used"),
+             (_engine_config(ok, pp=2), "pipeline_parallel_size > 1"),
+             (_engine_config(ok, layer_types=["full_attention", "sliding_attention"]), "full-attention"),
+             (_engine_config(ok, block=128), "The smallest valid kv_budget is 384"),
+             (_engine_config({"kv_budget": 8192, "use_heads": False}), "largest valid kv_budget is 4096")]
+    for vc, msg in cases:
+        with pytest.raises(TokenSwiftConfigError, match=msg):
+            validate(vc)
+    with pytest.raises(TokenSwiftConfigError, match="logits gathered on every rank"):
+        validate(_engine_config(ok, tp=2), logits_all_gathered=False)
+    assert validate(_engine_config(ok, tp=2), logits_all_gathered=True).kv_budget == 256
+
+
+def test_finished_request_ids_are_finished_preempted_and_resumed():
+    from vllm_tokenswift.patches.common import finished_request_ids
+
+    assert finished_request_ids(_sched_out(finished={"a"}, preempted={"b"}, resumed={"c"})) == {"a", "b", "c"}
+    assert finished_request_ids(_sched_out()) == set()
+    assert finished_request_ids(SimpleNamespace(finished_req_ids=None)) == set()   # older outputs
