@@ -2,15 +2,16 @@
 # The long-context measurements of docs/bench/long (the paper's length table on this CPU).
 # Run each block alone on the machine (nothing else running), one at a time:
 #   bash scripts/bench-long.sh BLOCK [BLOCK...]
-# Blocks (minutes on the 2-vCPU box, mostly prefill: ~9 minutes per engine at 96K):
-#   probe          cost probe, demo model: decode / verify / draft-forward steps at 8K-96K  (~75)
-#   probe-32k      the probe at 32K only (kv_budget 512/1024/4096, both kernels)            (~12)
-#   probe-96k      the probe at 96K only (kv_budget 1024, both kernels)                     (~22)
+# Blocks (minutes on the 2-vCPU box, mostly prefill: vLLM's CPU prefill attention took 37 minutes
+# per engine for a 96K-token prefix on 2026-12-02, about 4 at 32K):
+#   probe          cost probe, demo model: decode / verify / draft-forward steps at 8K-96K (~200)
+#   probe-32k      the probe at 32K only (kv_budget 512/1024/4096, both kernels)            (~20)
+#   probe-96k      the probe at 96K only (kv_budget 1024, both kernels)                     (~80)
 #   probe-smollm2  cost probe, SmolLM2 with YaRN x2 at 8K and 16K                            (~20)
 #   context-8k context-32k context-64k context-96k
 #                  demo model, YaRN x5, a prefix of The Brothers Karamazov (held out), 1,024
 #                  tokens, AR / TokenSwift / suffix / ngram, greedy and the paper's sampling,
-#                  2 paired rounds                                          (~10 / 25 / 45 / 70)
+#                  2 paired rounds                                   (~15 / 40 / 120 / 200)
 #   length         demo model, YaRN x2, 2K prefix, 32K tokens in one request, AR / TokenSwift /
 #                  suffix, both samplings, figures per 8K segment                           (~80)
 #   budget         demo model, 64K prefix: kv_budget 512 / 1024 / 4096 / full (the paper's

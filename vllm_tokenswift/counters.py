@@ -7,6 +7,7 @@ imports from the rest of the package.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any, Iterable, Sequence
 
 

@@ -54,7 +54,7 @@ import math
 import os
 import statistics
 from collections import defaultdict
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 # the counter helpers, re-exported: the report's public names since before they moved
 from vllm_tokenswift.counters import (  # noqa: F401
