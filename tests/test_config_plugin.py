@@ -10,6 +10,8 @@ from vllm_tokenswift import PROPOSER_CLASS_PATH, plugin
 from vllm_tokenswift.compat import UnsupportedVLLMVersion, check_vllm_version, is_supported
 from vllm_tokenswift.config import (MAX_NGRAM_TOPK, MAX_TREE_PATHS, MAX_TREE_WIDTH, TokenSwiftConfig,
                                     TokenSwiftConfigError)
+from vllm_tokenswift.patches import outputs as patch_outputs
+from vllm_tokenswift.patches import runner as patch_runner
 from vllm_tokenswift.plugin import (add_tokenswift_cli_args, apply_tokenswift_cli_args,
                                     release_finished_states, translate_speculative_config)
 
@@ -284,7 +286,7 @@ def test_draft_free_steps_take_the_plain_sampler():
 
     patch = next(p for p in plugin.PATCHES if p.name == "draft-free-sampling")
     assert patches.RECORDS[patch.name].status == "applied"
-    sample = plugin._patch_draft_free_sampling({patch.targets[0].path: orig})[patch.targets[0].path]
+    sample = patch_runner._patch_draft_free_sampling({patch.targets[0].path: orig})[patch.targets[0].path]
     ts = SimpleNamespace(speculative_config=SimpleNamespace(method="custom_class", model=PROPOSER_CLASS_PATH))
     other = SimpleNamespace(speculative_config=SimpleNamespace(method="ngram", model=None))
     none_ = SimpleNamespace(max_spec_len=0)
@@ -317,7 +319,7 @@ def test_draft_ids_travel_with_the_step_output():
             lambda self, so, mro: calls.append(("update", so)) or {},
         "vllm.v1.engine.core:EngineCore.post_step": lambda self, ex: calls.append(("rpc", ex)),
     }
-    fns = plugin._patch_drafts_in_output(orig)
+    fns = patch_outputs._patch_drafts_in_output(orig)
     sample = fns["vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens"]
     update = fns["vllm.v1.core.sched.scheduler:Scheduler.update_from_output"]
     post = fns["vllm.v1.engine.core:EngineCore.post_step"]
@@ -328,8 +330,8 @@ def test_draft_ids_travel_with_the_step_output():
                                take_draft_token_ids=lambda: DraftTokenIds(live_ids, [[5, 6], []]))
 
     tagged = sample(runner(ts_spec, out), None)
-    assert tagged is not out and not hasattr(out, plugin._DRAFTS_ATTR)   # a copy is tagged
-    drafts = getattr(tagged, plugin._DRAFTS_ATTR)
+    assert tagged is not out and not hasattr(out, patch_outputs._DRAFTS_ATTR)   # a copy is tagged
+    drafts = getattr(tagged, patch_outputs._DRAFTS_ATTR)
     live_ids.append("c")                                                 # the runner's list moves on
     assert drafts.req_ids == ["a", "b"] and drafts.draft_token_ids == [[5, 6], []]
     ngram_spec = SimpleNamespace(method="ngram", model=None)

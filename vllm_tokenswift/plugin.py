@@ -48,13 +48,11 @@ import threading
 from vllm_tokenswift import patches
 from vllm_tokenswift.patches import Patch, Target, TokenSwiftPatchError
 from vllm_tokenswift.patches import api_metrics, attention, engine_args, outputs, runner, sampling
-# the patch modules' public names (and the two replacement builders and the attribute name
-# the plugin-hook tests use), importable from here as before
+# the patch modules' public names, importable from here as before
 from vllm_tokenswift.patches.common import LOSSLESS_REJECTION_METHODS, is_tokenswift_spec
 from vllm_tokenswift.patches.engine_args import (add_tokenswift_cli_args, apply_tokenswift_cli_args,
                                                  check_engine_config, translate_speculative_config)
-from vllm_tokenswift.patches.outputs import _DRAFTS_ATTR, _patch_drafts_in_output
-from vllm_tokenswift.patches.runner import _patch_draft_free_sampling, release_finished_states
+from vllm_tokenswift.patches.runner import release_finished_states
 from vllm_tokenswift.patches.sampling import expand_batch_to_tokens_torch, window_state_class
 
 logger = logging.getLogger("vllm_tokenswift")
