@@ -66,7 +66,8 @@ def replay_tokenswift(prompt: list[int], out: list[int], k: int, costs: dict,
     from vllm_tokenswift import policy as pol
     from vllm_tokenswift.chain import ngram_chain
     from vllm_tokenswift.ngram import NGramTable
-    from vllm_tokenswift.proposer import NGRAM_FLOOR, _calibration_keys
+    from vllm_tokenswift.drafting import NGRAM_FLOOR
+    from vllm_tokenswift.drafting_policy import calibration_keys as _calibration_keys
 
     seq = list(prompt) + list(out)
     table = NGramTable(4)

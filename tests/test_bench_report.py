@@ -329,7 +329,9 @@ def test_unavailable_reasons(monkeypatch):
     ts_noheads = {"method": "tokenswift", "model": "/definitely/missing",
                   "tokenswift": {"use_heads": False}}
     assert harness.method_unavailable("tokenswift-noheads", ts_noheads) is None
-    monkeypatch.setattr(harness.importlib.util, "find_spec", lambda name: None)
+    from vllm_tokenswift.bench import methods
+
+    monkeypatch.setattr(methods.importlib.util, "find_spec", lambda name: None)
     assert "arctic-inference" in harness.method_unavailable("suffix", {"method": "suffix"})
 
 

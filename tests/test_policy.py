@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from vllm_tokenswift import estimates
 from vllm_tokenswift import policy as pol
 
 
@@ -375,7 +376,7 @@ def test_ridge_fit_running_sums_equal_the_batch_solution():
     solution equals numpy's ridge solution over the window's rows, non-negativity
     included."""
     rng = np.random.default_rng(3)
-    fit = pol._RidgeFit(3, window=16, strength=0.5)
+    fit = estimates._RidgeFit(3, window=16, strength=0.5)
     prior, scale = [0.02, 0.004, 0.001], [1.0, 1.0, 4.0]
     for step in range(100):
         d = int(rng.integers(0, 9)) if step % 3 else 0
@@ -389,7 +390,7 @@ def test_ridge_fit_running_sums_equal_the_batch_solution():
             np.testing.assert_allclose(got, ref, rtol=1e-9, atol=1e-12)
         assert min(got) >= 0.0 and len(fit) == min(step + 1, 16)
     # a coefficient the data push below zero is fixed at 0 and the rest refitted
-    neg = pol._RidgeFit(2, window=8, strength=1e-6)
+    neg = estimates._RidgeFit(2, window=8, strength=1e-6)
     for d in range(8):
         neg.add((1.0, d), 0.05 - 0.001 * d)
     c = neg.solve([0.0, 0.0], [1.0, 1.0])

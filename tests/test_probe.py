@@ -76,7 +76,10 @@ def test_forward_timer_books_draft_forwards_apart(monkeypatch):
 
 
 def test_probe_directive_and_chain_length():
-    from vllm_tokenswift.proposer import _probe_chain, _RequestState, _Row, probe_directive
+    from vllm_tokenswift.drafting_policy import probe_chain as _probe_chain
+    from vllm_tokenswift.policy import probe_directive
+    from vllm_tokenswift.request_state import RequestState as _RequestState
+    from vllm_tokenswift.request_state import Row as _Row
 
     assert probe_directive(None) == ("ngram", 0)
     assert probe_directive({"tokenswift_probe": {"kind": "forward", "drafts": 4}}) == ("forward", 4)

@@ -154,7 +154,9 @@ def test_invalid_inputs():
 def test_cli(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command")
-    rl.add_parser(sub)
+    from vllm_tokenswift.bench import roofline_cli
+
+    roofline_cli.add_parser(sub)
     out = tmp_path / "p.json"
     args = parser.parse_args(["project", "--model", "qwen2.5-7b", "--gpu", "h100", "--gen", "20000",
                               "--accepted-length", "3.5", "--overhead-ms", "0.1",

@@ -10,8 +10,8 @@ the ones single-rank TokenSwift selects.
 1. ``test_view_selection_is_rank_consistent`` (fast, always runs): two processes form
    a world-2 vLLM TP group (gloo + vLLM's CPU communicator). Each holds different
    local query/KV heads of the same requests (vLLM's contiguous head sharding) and
-   runs the proposer's own ``_plan_views`` -> ``TargetAccess.importance`` -> ``sum_over_ranks`` ->
-   ``ViewPlanner.select`` path. Both ranks must select exactly the block ids that a
+   runs the proposer's own view planning path (``kv_view.DraftViews.plan`` ->
+   ``TargetAccess.importance`` -> ``sum_over_ranks`` -> ``ViewPlanner.select``). Both ranks must select exactly the block ids that a
    single process with all heads selects; a control shows that per-rank importance
    alone would select different blocks (so the test can fail). It also checks that
    the KV key layout detection agrees across ranks (one rank failing -> all fall back).
@@ -86,11 +86,13 @@ def _case():
     return bt, q, kv
 
 
-def _fake_proposer(bt, q, kv, rank: int | None, tp_size: int):
-    """A TokenSwiftProposer with just what ``_plan_views`` reads; ``rank=None``: all heads."""
-    from vllm_tokenswift.kv_view import ViewPlanner
+def _fake_views(bt, q, kv, rank: int | None, tp_size: int):
+    """The proposer's draft views (``kv_view.DraftViews``) over a target with just what
+    planning reads; ``rank=None``: all heads."""
+    from vllm_tokenswift.draft_forward import TargetAccess, tp_all_gather
+    from vllm_tokenswift.kv_view import DraftViews, ViewPlanner
     from vllm_tokenswift.metrics import TokenSwiftStats
-    from vllm_tokenswift.proposer import TokenSwiftProposer, _RequestState
+    from vllm_tokenswift.request_state import RequestState
 
     n = len(POSITIONS)
     hq = HQ // WORLD if rank is not None else HQ
@@ -105,44 +107,36 @@ def _fake_proposer(bt, q, kv, rank: int | None, tp_size: int):
             cache = cache[:, rank * hkv:(rank + 1) * hkv]
         local_q[name] = qf.reshape(n, hq * D).contiguous()
         ctx[name] = SimpleNamespace(kv_cache=cache.contiguous())
-    from vllm_tokenswift.draft_forward import TargetAccess
-
-    prop = TokenSwiftProposer.__new__(TokenSwiftProposer)
-    prop.vllm_config = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=ctx))
-    prop.block_size = BS
-    prop.tp_size = tp_size
-    prop._planner = ViewPlanner(BUDGET, SINK, BS, "dynamic", LAYERS)
-    prop.access = TargetAccess(prop.vllm_config, BS, 0, tp_size)
-    prop.access.layer_names = list(LAYER_NAMES)
-    prop.access.key_layout = "split_last"
-    prop.access._layout_checked = True
-    prop.access._q = local_q
-    prop._step = 2
-    prop._last_fwd_step = 1
-    prop.stats = TokenSwiftStats()
+    vllm_config = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=ctx))
+    access = TargetAccess(vllm_config, BS, 0, tp_size)
+    access.layer_names = list(LAYER_NAMES)
+    access.key_layout = "split_last"
+    access._layout_checked = True
+    access._q = local_q
+    views = DraftViews(ViewPlanner(BUDGET, SINK, BS, "dynamic", LAYERS), access.importance,
+                       tp_all_gather if tp_size > 1 else None, TokenSwiftStats())
     states = []
     for r in range(n):
-        st = _RequestState(ngrams=None)
+        st = RequestState(ngrams=None)
         st.q_row, st.q_step = r, 1  # queries captured by the previous draft forward
         states.append(st)
-    runner = SimpleNamespace(input_batch=SimpleNamespace(
-        block_table=[SimpleNamespace(block_table=SimpleNamespace(np=bt))]))
-    return prop, runner, states
+    return views, access, states
 
 
 def _select(bt, q, kv, rank: int | None, tp_size: int):
     """Run the proposer's view planning; returns per request, per layer, the view's logical blocks."""
-    prop, runner, states = _fake_proposer(bt, q, kv, rank, tp_size)
-    plans = prop._plan_views(runner, list(range(len(POSITIONS))), states, list(POSITIONS))
-    assert prop.stats.view_selections == len(POSITIONS)
+    views, _, states = _fake_views(bt, q, kv, rank, tp_size)
+    plans = views.plan(bt, list(range(len(POSITIONS))), [st.view for st in states], list(POSITIONS),
+                       [st.q_row for st in states])
+    assert views.stats.view_selections == len(POSITIONS)
     assert all(not pl.full and len(pl.blocks) == LAYERS for pl in plans)
     return [[b.tolist() for b in pl.blocks] for pl in plans]
 
 
 def _importances(bt, q, kv, rank: int | None):
-    prop, runner, states = _fake_proposer(bt, q, kv, rank, 1)
-    s = prop._planner.sink_blocks
-    return [[a.tolist() for a in prop.access.importance(bt[r, s: p // BS], st.q_row, LAYERS)]
+    views, access, states = _fake_views(bt, q, kv, rank, 1)
+    s = views.planner.sink_blocks
+    return [[a.tolist() for a in access.importance(bt[r, s: p // BS], st.q_row, LAYERS)]
             for r, (st, p) in enumerate(zip(states, POSITIONS))]
 
 

@@ -22,7 +22,7 @@ SUBCOMMANDS = {
     "bench": "vllm_tokenswift.bench.cli",
     "bench-report": "vllm_tokenswift.bench.cli",
     "bench-table": "vllm_tokenswift.bench.cli",
-    "project": "vllm_tokenswift.bench.roofline",
+    "project": "vllm_tokenswift.bench.roofline_cli",
     "probe": "vllm_tokenswift.bench.probe",
 }
 

@@ -30,7 +30,9 @@ paper's per-head token selection becomes per-layer block selection
 (``"shared"``, cheaper metadata). The benchmark measures what this costs in
 acceptance against the ``full`` view.
 
-This module is pure (numpy/torch); the vLLM glue lives in ``proposer.py``.
+This module is pure (numpy/torch): it reads vLLM's block table as a numpy array and is
+given the importance scorer (``draft_forward.TargetAccess.importance``) and, under tensor
+parallelism, the all-gather.
 """
 
 from __future__ import annotations
@@ -180,6 +182,118 @@ class ViewPlanner:
         st.recent_start = last
         st.selections += 1
         st.pending_selection = False
+
+
+@dataclass
+class DraftViews:
+    """The budgeted views of a step's drafting requests over vLLM's block table: planning,
+    (re-)selection from block importance, and the paged metadata of the draft forward.
+
+    vLLM keeps one block table row per batch row (``input_batch.block_table[0]``,
+    ``[max_num_reqs, max_blocks_per_req]`` int32 physical block ids); a view is a list
+    of that row's *logical* block indices (:class:`ViewPlan`), so the draft forward's
+    block table is the row gathered at those indices (:meth:`block_tables`), one table
+    per group (layer) when views differ per layer.
+
+    Args:
+        planner: the engine's :class:`ViewPlanner`.
+        importance: ``f(blocks: int64[n] physical ids, query_row, num_groups) ->
+            list[float array [n]]`` (per group; ``draft_forward.TargetAccess.importance``),
+            scored with row ``query_row`` of the latest draft forward's captured queries.
+        all_gather: tensor parallelism: the TP all-gather for :func:`sum_over_ranks`
+            (None with one rank).
+        stats: counters ``views_full``, ``views_budgeted``, ``view_selections`` are
+            incremented on it (``metrics.TokenSwiftStats``).
+    """
+
+    planner: ViewPlanner
+    importance: object
+    all_gather: object = None
+    stats: object = None
+
+    def plan(self, block_table: np.ndarray, batch_rows: list[int], views: list[RequestView],
+             positions: list[int], query_rows: list[int]) -> list[ViewPlan]:
+        """Plan every drafting request's view, (re-)selecting those that need it and still
+        hold their own query from the latest draft forward (``query_rows[k] >= 0``: its row
+        there; -1: gone). A request that needs a selection without a query drafts over
+        its whole context this time and selects right after
+        (:meth:`select_after_forward`).
+
+        Args:
+            block_table: ``[rows, max_blocks]`` int32, vLLM's block table (numpy view).
+            batch_rows, views, positions, query_rows: per drafting request, its batch row,
+                view state, newest token's position and query row.
+        Returns:
+            per request, its :class:`ViewPlan`.
+        """
+        planner = self.planner
+        plans = [planner.plan(v, p) for v, p in zip(views, positions)]
+        ready = [k for k, plan in enumerate(plans) if plan.needs_selection and query_rows[k] >= 0]
+        self._select(block_table, batch_rows, views, positions, ready, [query_rows[k] for k in ready])
+        for k in ready:
+            plans[k] = planner.plan(views[k], positions[k])
+        if self.stats is not None:
+            for plan in plans:
+                if plan.full:
+                    self.stats.views_full += 1
+                else:
+                    self.stats.views_budgeted += 1
+        return plans
+
+    def select_after_forward(self, block_table, batch_rows, views, positions, plans) -> None:
+        """(Re-)select the views of the requests that drafted over their whole context
+        because they needed a selection, from the queries the draft forward just captured
+        (row k of the forward is request k): the next draft forward of each reads its
+        budgeted view, whatever other requests drafted in between."""
+        late = [k for k, plan in enumerate(plans) if plan.needs_selection]
+        if late:
+            self._select(block_table, batch_rows, views, positions, late, late)
+
+    def _select(self, block_table, batch_rows, views, positions, which, query_rows) -> None:
+        """Select the views of requests ``which`` from block importances (paper Sec 3.3,
+        Eq. 2 per block) scored with query row ``query_rows[j]``.
+
+        Under tensor parallelism the importances are summed over the TP ranks in one
+        collective before the top-k (:func:`sum_over_ranks`), so all ranks select the
+        same blocks, the ones single-rank TokenSwift would select. Which requests select
+        depends only on positions and step counters, identical on all ranks, so every
+        rank reaches the collective (none when nothing selects, none with one rank)."""
+        if not which:
+            return
+        planner = self.planner
+        s = planner.sink_blocks
+        imps = []
+        for k, q_row in zip(which, query_rows):
+            last = positions[k] // planner.block_size
+            blocks = block_table[batch_rows[k], s:last] if last > s else np.zeros(0, np.int64)
+            imps.append(self.importance(blocks, q_row, planner.num_groups))
+        if self.all_gather is not None:
+            imps = sum_over_ranks(imps, self.all_gather)
+        for k, imp in zip(which, imps):
+            planner.select(views[k], positions[k], imp)
+            if self.stats is not None:
+                self.stats.view_selections += 1
+
+    @staticmethod
+    def block_tables(block_table: np.ndarray, batch_rows: list[int], plans: list[ViewPlan]) -> list[np.ndarray]:
+        """The draft forward's block tables: per group, ``[n, width]`` int32 physical block
+        ids (row k: request k's view, zero-padded to the widest view of the group)."""
+        n_groups = max(len(pl.blocks) for pl in plans)
+        tables = []
+        for g in range(n_groups):
+            width = max(len(pl.blocks[g if len(pl.blocks) > 1 else 0]) for pl in plans)
+            tab = np.zeros((len(plans), width), dtype=np.int32)
+            for k, (row, pl) in enumerate(zip(batch_rows, plans)):
+                b = pl.blocks[g if len(pl.blocks) > 1 else 0]
+                tab[k, : len(b)] = block_table[row, b]
+            tables.append(tab)
+        return tables
+
+    def slots(self, block_table: np.ndarray, batch_rows: list[int], positions: list[int]) -> list[int]:
+        """The slot mapping of the newest tokens: ``block_id * block_size + offset`` of
+        position ``positions[k]`` in batch row ``batch_rows[k]`` (their real slots)."""
+        bs = self.planner.block_size
+        return [int(block_table[row, p // bs]) * bs + p % bs for row, p in zip(batch_rows, positions)]
 
 
 def block_importance(q: torch.Tensor, keys: torch.Tensor, num_valid_tokens: int | None = None) -> torch.Tensor:

@@ -67,6 +67,10 @@ class TokenSwiftStats:
     _last_call: float | None = None
     _last_log: float = field(default_factory=time.monotonic)
 
+    def reset(self) -> None:
+        """Zero every counter in place (holders of this object see the reset)."""
+        self.__dict__.update(type(self)().__dict__)
+
     def record_verification(self, sources: list[int], num_verified: int, num_accepted: int,
                             kind: str | None = None) -> None:
         """Account for one verified chain.

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 from vllm_tokenswift.bench.report import _median, _ok, _sum_dicts, format_decision_mix, load_invocation
 

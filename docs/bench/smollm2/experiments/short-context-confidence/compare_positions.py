@@ -28,7 +28,7 @@ gr = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gr)
 from vllm_tokenswift.chain import ngram_chain  # noqa: E402
 from vllm_tokenswift.ngram import NGramTable  # noqa: E402
-from vllm_tokenswift.proposer import NGRAM_FLOOR  # noqa: E402
+from vllm_tokenswift.drafting import NGRAM_FLOOR  # noqa: E402
 
 
 def main():

@@ -37,7 +37,8 @@ spec.loader.exec_module(gr)
 from vllm_tokenswift import policy as pol  # noqa: E402
 from vllm_tokenswift.chain import ngram_chain  # noqa: E402
 from vllm_tokenswift.ngram import NGramTable  # noqa: E402
-from vllm_tokenswift.proposer import NGRAM_FLOOR, _calibration_keys  # noqa: E402
+from vllm_tokenswift.drafting import NGRAM_FLOOR  # noqa: E402
+from vllm_tokenswift.drafting_policy import calibration_keys as _calibration_keys  # noqa: E402
 
 LEVEL_KEYS = {"L32": 20, "L16": 21, "L8": 22, "3g": 23, "S2": 24, "S1": 25, "?": 26}
 SUFFIX_CAP = {"3g": 3, "S2": 2, "S1": 1}
