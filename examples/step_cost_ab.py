@@ -106,8 +106,10 @@ def _print_ratios(runs: list[dict], modes: list[str], key: str, label: str, out)
 
 
 def _patch_nodraft(worker):
+    from vllm_tokenswift.drafting import Drafts
+
     d = worker.model_runner.drafter
-    d._draft = lambda runner, rows, out: None
+    d._draft = lambda runner, plan: Drafts()
     return True
 
 

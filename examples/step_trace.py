@@ -76,20 +76,21 @@ def _instrument(worker):
 
     r.execute_model, r.sample_tokens, r.propose_draft_token_ids = execute_model, sample_tokens, propose_draft_token_ids
     d = getattr(r, "drafter", None)
-    if d is not None and hasattr(d, "_draft"):
-        draft = d._draft
+    if d is not None and hasattr(d, "_hand_over"):
+        hand_over = d._hand_over
 
-        def _draft(runner, rows, out):
-            draft(runner, rows, out)
-            kinds = _c.Counter(row.state.last.kind for row in rows)
+        def _hand_over(runner, plan, drafts, out):
+            hand_over(runner, plan, drafts, out)
+            kinds = _c.Counter(r_.state.last.kind for r_ in plan.rows)
             if r._trace_cur is not None:
                 r._trace_cur.update({
                     "F": kinds.get("forward", 0), "U": kinds.get("fused", 0), "N": kinds.get("ngram", 0),
-                    "forced": sum(1 for row in rows if row.forced),
-                    "drafted": sum(len(out[row.batch_row]) for row in rows),
-                    "fwd": d._step_fwd_s, "fused": d._step_fused_s})
+                    "forced": sum(1 for r_ in plan.rows if r_.forced),
+                    "drafted": sum(len(out[r_.batch_row]) for r_ in plan.rows),
+                    "fwd": drafts.forward[0] if drafts.forward else 0.0,
+                    "fused": drafts.fused[0] if drafts.fused else 0.0})
 
-        d._draft = _draft
+        d._hand_over = _hand_over
     return True
 
 

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from vllm.v1.engine.exceptions import EngineDeadError  # noqa: F401 (slow first import, done here)
+from vllm.v1.engine.exceptions import EngineDeadError  # a slow first import, done at collection
 
 from vllm_tokenswift.metrics import TokenSwiftStats
 from vllm_tokenswift.prometheus import (PREFIX, TokenSwiftCollector, TokenSwiftMetricsExporter,
@@ -74,8 +74,6 @@ class _Client:
         self.stats, self.calls, self.dead_after = stats, [], dead_after
 
     async def collective_rpc(self, method):
-        from vllm.v1.engine.exceptions import EngineDeadError
-
         self.calls.append(method)
         if self.dead_after is not None and len(self.calls) > self.dead_after:
             raise EngineDeadError()

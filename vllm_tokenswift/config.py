@@ -392,6 +392,33 @@ class TokenSwiftConfig(BaseModel):
 LOSSLESS_REJECTION_METHODS = ("standard",)
 
 
+def check_rejection_method(method: str | None) -> None:
+    """The verification method must be lossless (vLLM's ``rejection_sample_method``).
+
+    Raises:
+        TokenSwiftConfigError: any method but ``"standard"``.
+    """
+    method = method or "standard"
+    if method not in LOSSLESS_REJECTION_METHODS:
+        raise TokenSwiftConfigError(
+            f"rejection_sample_method={method!r} cannot be used with TokenSwift: TokenSwift's output "
+            "must equal plain decoding, and only 'standard' verification is lossless and supported "
+            "on the runner TokenSwift uses ('fly' is lossy, 'synthetic' ignores the target, 'block' "
+            "exists only on Model Runner V2). Remove rejection_sample_method")
+
+
+def check_pipeline_parallel(pipeline_parallel_size: int | None) -> None:
+    """TokenSwift needs the whole target on one pipeline stage.
+
+    Raises:
+        TokenSwiftConfigError: ``pipeline_parallel_size`` > 1.
+    """
+    if int(pipeline_parallel_size or 1) > 1:
+        raise TokenSwiftConfigError(
+            "TokenSwift does not support pipeline_parallel_size > 1: the drafter runs the "
+            "target's own forward, which only the last pipeline stage could run")
+
+
 def validate(vllm_config, *, logits_all_gathered: bool | None = None) -> TokenSwiftConfig:
     """Every check of a finished TokenSwift ``VllmConfig``; the one validation that both
     the front end (when the engine is created, before any worker exists) and the
@@ -421,16 +448,9 @@ def validate(vllm_config, *, logits_all_gathered: bool | None = None) -> TokenSw
             'speculative_config={"method": "tokenswift", ...} with the vllm-tokenswift plugin '
             "instead of naming the proposer class")
     cfg = raw if isinstance(raw, TokenSwiftConfig) else TokenSwiftConfig.parse(dict(raw))
-    method = getattr(vllm_config.speculative_config, "rejection_sample_method", "standard")
-    if method not in LOSSLESS_REJECTION_METHODS:
-        raise TokenSwiftConfigError(
-            f"rejection_sample_method={method!r} cannot be used with TokenSwift (only 'standard' "
-            "verification is lossless on the runner TokenSwift uses)")
+    check_rejection_method(getattr(vllm_config.speculative_config, "rejection_sample_method", "standard"))
     par = vllm_config.parallel_config
-    if int(getattr(par, "pipeline_parallel_size", 1) or 1) > 1:
-        raise TokenSwiftConfigError(
-            "TokenSwift does not support pipeline_parallel_size > 1: the drafter runs the "
-            "target's own forward, which only the last pipeline stage could run")
+    check_pipeline_parallel(getattr(par, "pipeline_parallel_size", 1))
     mc = vllm_config.model_config
     hf = mc.hf_text_config
     cfg.check_attention(hf)

@@ -12,7 +12,7 @@ import json
 from vllm_tokenswift import PROPOSER_CLASS_PATH
 from vllm_tokenswift.patches import Patch, Target, require_declared
 from vllm_tokenswift.patches.api_metrics import ensure_api_server_metrics
-from vllm_tokenswift.patches.common import _ARGS, _V32, LOSSLESS_REJECTION_METHODS, is_tokenswift_spec
+from vllm_tokenswift.patches.common import _ARGS, _V32, is_tokenswift_spec
 
 
 def translate_speculative_config(engine_args, model_config=None) -> None:
@@ -36,7 +36,8 @@ def translate_speculative_config(engine_args, model_config=None) -> None:
         TokenSwiftPatchError: a patch TokenSwift relies on is not active.
     """
     from vllm_tokenswift.compat import check_vllm_version
-    from vllm_tokenswift.config import ADDITIONAL_CONFIG_KEY, TokenSwiftConfig, TokenSwiftConfigError
+    from vllm_tokenswift.config import (ADDITIONAL_CONFIG_KEY, TokenSwiftConfig,
+                                        check_pipeline_parallel, check_rejection_method)
 
     if getattr(engine_args, "spec_method", None) == "tokenswift":
         sc = dict(engine_args.speculative_config or {})
@@ -56,18 +57,10 @@ def translate_speculative_config(engine_args, model_config=None) -> None:
     check_vllm_version()
     require_declared()
     cfg = TokenSwiftConfig.from_speculative_dict(sc)
-    method = sc.get("rejection_sample_method", "standard")
-    if method not in LOSSLESS_REJECTION_METHODS:
-        raise TokenSwiftConfigError(
-            f"rejection_sample_method={method!r} cannot be used with TokenSwift: TokenSwift's output "
-            "must equal plain decoding, and only 'standard' verification is lossless and supported "
-            "on the runner TokenSwift uses ('fly' is lossy, 'synthetic' ignores the target, 'block' "
-            "exists only on Model Runner V2). Remove rejection_sample_method")
-    pp = getattr(engine_args, "pipeline_parallel_size", 1) or 1
-    if pp > 1:
-        raise TokenSwiftConfigError(
-            "TokenSwift does not support pipeline_parallel_size > 1: the drafter runs the "
-            "target's own forward, which only the last pipeline stage could run")
+    # the checks validate() makes on the finished VllmConfig, made here too so that they fail
+    # before vLLM builds it (the same functions)
+    check_rejection_method(sc.get("rejection_sample_method", "standard"))
+    check_pipeline_parallel(getattr(engine_args, "pipeline_parallel_size", 1))
     if model_config is not None:
         cfg.check_model(hidden_size=int(model_config.hf_text_config.hidden_size),
                         max_model_len=int(model_config.max_model_len))
