@@ -182,3 +182,36 @@ def test_generate_report_prints_the_decode_phase_speedup():
     text = buf.getvalue()
     assert "decode tokens/s" in text and "16.50" in text
     assert "speedup: 1.20x (whole run, prefill included)   decode-phase speedup: 1.50x" in text
+
+
+def _plugin_snapshot(stats, k, hist):
+    """The shape of the worker's ``tokenswift_stats`` (proposer.tokenswift_stats) after a
+    pickle round trip: records as lists, strings, nested dicts."""
+    d = stats.summary(k)
+    d.update(key_layout="nhd", num_live_requests=1, policy="adaptive",
+             prometheus_samples=[list(x) for x in stats.prometheus_samples()],
+             cost_model={"plain": 0.01, "verify_per_token": 0.002}, profile={},
+             verify_attention={"calls": 3},
+             memory={"history_tokens": hist, "ngram_entries": 2 * hist, "penalty_counts_bytes": 0,
+                     "rss_bytes": 2**30})
+    return d
+
+
+def test_segments_from_real_plugin_snapshots():
+    """The per-segment rows from snapshots shaped like the worker's real ``tokenswift_stats``
+    (the 32K length sweep of 2026-12-03 lost its TokenSwift run to a TypeError on the
+    ``prometheus_samples`` records)."""
+    from vllm_tokenswift.metrics import TokenSwiftStats
+
+    stats = TokenSwiftStats()
+    snaps = [_snap(0.0, 1, 1, 0, 0, _plugin_snapshot(stats, 4, 1))]
+    for _ in range(10):
+        stats.record_chain([SOURCE_HEADS] * 4, "ngram")
+        stats.record_verification([SOURCE_HEADS] * 4, 4, 2, kind="ngram")
+    stats.steps_by_kind["ngram"] = 10
+    snaps.append(_snap(1.0, 31, 11, 10, 20, _plugin_snapshot(stats, 4, 31)))
+    rows = segments.segments_from_snapshots(snaps, list(range(31)), 4)
+    assert [(r["start"], r["end"], r["tokens"], r["steps"]) for r in rows] == [(1, 31, 30, 10)]
+    assert rows[0]["steps_by_kind"] == {"forward": 0, "fused": 0, "ngram": 10, "none": 0}
+    assert rows[0]["history_tokens"] == 31 and rows[0]["ngram_entries"] == 62
+    assert rows[0]["acceptance_rate"] == pytest.approx(20 / (4 * 10))

@@ -101,14 +101,21 @@ def spec_counters_from_collectors(collectors: Iterable[Any]) -> dict[str, Any]:
     return spec_counters_from_metrics(metrics)
 
 
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def counter_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """``after - before`` for every numeric key, element-wise for lists and key-wise for
-    nested dicts (cumulative counters such as ``steps_by_kind``)."""
+    """``after - before`` for every numeric key, element-wise for lists of numbers and
+    key-wise for nested dicts (cumulative counters such as ``steps_by_kind``); other
+    values (strings, lists of records such as ``prometheus_samples``) are left out."""
     d: dict[str, Any] = {}
     for k, a in after.items():
         b = before.get(k)
         if isinstance(a, list):
-            b = list(b or [])
+            if not all(_is_number(x) for x in a):
+                continue            # not a counter vector (e.g. ``prometheus_samples`` tuples)
+            b = [x for x in (b or []) if _is_number(x)] if isinstance(b, list) else []
             d[k] = [int(x) - (int(b[i]) if i < len(b) else 0) for i, x in enumerate(a)]
         elif isinstance(a, dict):
             d[k] = counter_delta(b if isinstance(b, dict) else {}, a)

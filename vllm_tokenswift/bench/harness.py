@@ -226,7 +226,11 @@ def timed_run_segments(llm: Any, prompt: list[int], sp_kwargs: dict[str, Any], g
     if plugin_stats:
         rec.update(plugin_stats_after(llm, was_reset, pbefore, k or 0))
     rec.update(report.distinct_scores([ids]))
-    rec["segments"] = seg.segments_from_snapshots(snaps, ids, k)
+    try:
+        rec["segments"] = seg.segments_from_snapshots(snaps, ids, k)
+    except Exception as e:  # noqa: BLE001 - figures of the run, not the run: keep its tokens
+        logger.exception("per-segment figures failed")
+        rec["segments_error"] = f"{type(e).__name__}: {e}"
     return rec, [ids]
 
 
