@@ -13,7 +13,8 @@
 #                  tokens, AR / TokenSwift / suffix / ngram, greedy and the paper's sampling,
 #                  2 paired rounds                                   (~15 / 40 / 120 / 200)
 #   length         demo model, YaRN x2, 2K prefix, 32K tokens in one request, AR / TokenSwift /
-#                  suffix, both samplings, figures per 8K segment                           (~80)
+#                  suffix, both samplings, figures per 8K segment (ar,tokenswift: ~22 greedy,
+#                  ~37 paper's sampling on 2026-12-03)                                     (~80)
 #   budget         demo model, 64K prefix: kv_budget 512 / 1024 / 4096 / full (the paper's
 #                  Table 5), the paper's sampling                                            (~30)
 #   smollm2        SmolLM2-135M, YaRN x4, 2K prefix, 16K tokens, AR / TokenSwift, both
@@ -28,7 +29,8 @@ OUT=${OUT:-docs/bench/long}
 BOOK=28054
 COMMON=(--quiet --engine-arg enable_prefix_caching=true --kv-cache-gb 1.5)
 
-# METHODS and REPEATS override the context blocks' methods and paired rounds
+# METHODS and REPEATS override the context blocks' methods and paired rounds (METHODS also
+# the length block's)
 context() {   # context PREFIX_TOKENS NAME
   $VT bench --model tiny --yarn 5 --book $BOOK --prefix-len "$1" --gen-lens 1024 \
     --methods "${METHODS:-ar,tokenswift,suffix,ngram}" --sampling greedy,paper --interleave \
@@ -47,10 +49,12 @@ for block in "$@"; do
     context-32k) context 32768 context-32k ;;
     context-64k) context 65536 context-64k ;;
     context-96k) context 98304 context-96k ;;
-    length)
-      $VT bench --model tiny --yarn 2 --book $BOOK --prefix-len 2048 --gen-lens 32768 \
-        --methods ar,tokenswift,suffix --sampling greedy,paper --interleave --segment-tokens 8192 \
-        "${COMMON[@]}" --out "$OUT/length-32k" ;;
+    length)   # one invocation per sampling (each ~25-40 min), so each lands on its own
+      for s in greedy paper; do
+        $VT bench --model tiny --yarn 2 --book $BOOK --prefix-len 2048 --gen-lens 32768 \
+          --methods "${METHODS:-ar,tokenswift,suffix}" --sampling $s --interleave --segment-tokens 8192 \
+          "${COMMON[@]}" --out "$OUT/length-32k-$s"
+      done ;;
     budget)
       $VT bench --model tiny --yarn 5 --book $BOOK --prefix-len 65536 --gen-lens 1024 \
         --methods ar,tokenswift-b512,tokenswift,tokenswift-b4096,tokenswift-fullkv --sampling paper \

@@ -8,6 +8,7 @@
   pressure, and requests that run into ``max_model_len``, all in one engine: no crash,
   the survivors' outputs equal plain decoding, aborted requests end as aborted, and no
   per-request proposer state outlives its request.
+* The benchmark's per-segment run (``bench --segment-tokens``) on the TokenSwift engine.
 """
 
 from __future__ import annotations
@@ -67,6 +68,15 @@ def _batch(book_tokens):
     return prompts, params, greedy
 
 
+def _segments_run(llm, prompt):
+    """One greedy request of 48 tokens through the benchmark's per-segment run (16-token
+    segments), as ``bench --segment-tokens`` does it."""
+    from vllm_tokenswift.bench.harness import timed_run_segments
+
+    return timed_run_segments(llm, list(prompt["prompt_token_ids"]), {"temperature": 0.0}, 48, 4, 16,
+                              plugin_stats=True)
+
+
 def test_mixed_batch_of_36_greedy_equal(book_tokens):
     prompts, params, greedy = _batch(book_tokens)
     plain = make_llm(str(DEMO_MODEL), **KW)
@@ -75,7 +85,15 @@ def test_mixed_batch_of_36_greedy_equal(book_tokens):
     ts = make_llm(str(DEMO_MODEL), SPEC, **KW)
     got = ts.generate(prompts, params, use_tqdm=False)
     metrics = spec_metrics(ts)
+    seg_rec, seg_ids = _segments_run(ts, prompts[9])
     shutdown(ts)
+    # the benchmark's per-segment figures on a real TokenSwift engine (bench --segment-tokens)
+    assert "segments_error" not in seg_rec and len(seg_ids[0]) == 48
+    rows = seg_rec["segments"]
+    assert [r["start"] for r in rows][0] == 1 and rows[-1]["end"] == 48 and len(rows) >= 3
+    assert sum(r["tokens"] for r in rows) == 47
+    assert all(set(r["steps_by_kind"]) == {"forward", "fused", "ngram", "none"} for r in rows)
+    assert rows[-1]["history_tokens"] > 0 and rows[-1]["ngram_entries"] > 0 and rows[-1]["rss_bytes"] > 0
     stopped = 0
     for i, (w, g) in enumerate(zip(want, got)):
         wo, go = w.outputs[0], g.outputs[0]
