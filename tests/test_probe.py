@@ -215,3 +215,36 @@ def test_segments_from_real_plugin_snapshots():
     assert rows[0]["steps_by_kind"] == {"forward": 0, "fused": 0, "ngram": 10, "none": 0}
     assert rows[0]["history_tokens"] == 31 and rows[0]["ngram_entries"] == 62
     assert rows[0]["acceptance_rate"] == pytest.approx(20 / (4 * 10))
+
+
+def test_probe_requests_carry_the_sampling_and_the_directive(monkeypatch):
+    """``probe --sampling paper``: every timed request has the paper's sampling (penalty
+    window in ``extra_args``) beside the probe policy's directive; greedy by default."""
+    import argparse
+
+    from vllm_tokenswift.bench.methods import sampling_kwargs
+
+    class FakeLLM:
+        def __init__(self):
+            self.params = []
+
+        def collective_rpc(self, name):
+            return [{"profile": {"seconds": {}, "counts": {"steps": 3}}}]
+
+        def generate(self, prompts, sp, use_tqdm=False):
+            self.params.append(sp)
+
+    llm = FakeLLM()
+    paper, _ = sampling_kwargs("tokenswift", "paper", {"method": "tokenswift"})
+    probe._run_shape(llm, [1, 2, 3], {"kind": "ngram", "drafts": 2}, 5, paper)
+    probe._run_shape(llm, [1, 2, 3], {"kind": "forward", "drafts": 8}, 5)
+    sp, greedy = llm.params
+    assert (sp.temperature, sp.min_p, sp.repetition_penalty, sp.max_tokens) == (1.0, 0.1, 1.2, 5)
+    assert sp.extra_args == {"repetition_penalty_window": 1024, "tokenswift_probe": {"kind": "ngram", "drafts": 2}}
+    assert paper["extra_args"] == {"repetition_penalty_window": 1024}          # the preset is not changed
+    assert greedy.temperature == 0.0 and greedy.extra_args == {"tokenswift_probe": {"kind": "forward", "drafts": 8}}
+    sub = argparse.ArgumentParser().add_subparsers()
+    p = probe.add_parser(sub)
+    assert p.parse_args([]).sampling == "greedy" and p.parse_args(["--sampling", "paper"]).sampling == "paper"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--sampling", "beam"])

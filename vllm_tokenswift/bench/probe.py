@@ -371,16 +371,18 @@ def _book_prompt(tokenizer_dir: str, n: int) -> list[int]:
     return book_prompts(tok, 1, n, skip=2000)[0]
 
 
-def _run_shape(llm, prompt: list[int], directive: dict, max_tokens: int) -> dict:
-    """One greedy request of the shape ``directive`` over the cached ``prompt``: wall time,
-    engine steps and the profile delta of the run (first worker)."""
+def _run_shape(llm, prompt: list[int], directive: dict, max_tokens: int, sampling: dict | None = None) -> dict:
+    """One request of the shape ``directive`` over the cached ``prompt``: wall time,
+    engine steps and the profile delta of the run (first worker). ``sampling``:
+    ``SamplingParams`` keyword arguments (None: greedy)."""
     from vllm import SamplingParams
 
     from vllm_tokenswift.metrics import get_engine_stats
 
     before = (get_engine_stats(llm) or {}).get("profile")
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                        extra_args={"tokenswift_probe": directive})
+    kw = dict(sampling or {"temperature": 0.0})
+    extra = dict(kw.pop("extra_args", None) or {}, tokenswift_probe=directive)
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra, **kw)
     t = time.perf_counter()
     llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
     wall = time.perf_counter() - t
@@ -391,8 +393,10 @@ def _run_shape(llm, prompt: list[int], directive: dict, max_tokens: int) -> dict
 
 
 def probe_context(model: str, heads: str, context: int, *, yarn: float | None, drafts: Sequence[int],
-                  budgets: Sequence[int], tokens: int, kernels: Sequence[str], bar=None) -> list[dict]:
-    """All engines of one context length; rows for :func:`markdown` (see the module doc)."""
+                  budgets: Sequence[int], tokens: int, kernels: Sequence[str], bar=None,
+                  sampling: dict | None = None) -> list[dict]:
+    """All engines of one context length; rows for :func:`markdown` (see the module doc).
+    ``sampling``: ``SamplingParams`` keyword arguments of every timed request (None: greedy)."""
     from vllm import LLM
 
     from vllm_tokenswift.bench.harness import teardown_engine
@@ -434,8 +438,8 @@ def probe_context(model: str, heads: str, context: int, *, yarn: float | None, d
             for name, directive in shapes:
                 if bar is not None:
                     bar.set_postfix_str(f"{context:,}: {kernel} kernel: {name}")
-                _run_shape(llm, prompt, directive, 4)                          # warm this shape
-                res = _run_shape(llm, prompt, directive, tokens)
+                _run_shape(llm, prompt, directive, 4, sampling)                # warm this shape
+                res = _run_shape(llm, prompt, directive, tokens, sampling)
                 row = {"context": context, "shape": name, "kernel": kernel, "kv_budget": budget,
                        "drafts": directive["drafts"], "wall_s": res["wall_s"], "steps": res["steps"]}
                 row.update(step_breakdown(res["profile"], res["wall_s"], max(1, res["steps"])))
@@ -483,6 +487,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "policy) after 1K, 10K and 100K tokens of history (engine-free)")
     p.add_argument("--no-micro", action="store_true", help="skip the attention micro-benchmark")
     p.add_argument("--out", default=os.path.join("runs", "probe-" + time.strftime("%Y%m%d-%H%M%S")))
+    p.add_argument("--sampling", choices=("greedy", "paper"), default="greedy",
+                   help="the timed requests' sampling: greedy (default) or the paper's (T 1.0, min_p 0.1, "
+                        "repetition penalty 1.2 over a 1,024-token window), which adds the penalty, min_p and "
+                        "the rejection sampler's draft distributions to every step")
     p.add_argument("--verbose", action="store_true", help="vLLM's log lines on the terminal")
     p.set_defaults(func=run_cli)
     return p
@@ -515,7 +523,12 @@ def run_cli(args: argparse.Namespace) -> int:
     work: list[dict] = []
     meta = {"model": model, "heads": heads, "yarn": yarn, "contexts": contexts, "drafts": args.drafts,
             "kv_budgets": args.kv_budgets, "tokens": args.tokens, "kernels": kernels, "heads_q": hq,
-            "heads_kv": hkv, "head_dim": d}
+            "heads_kv": hkv, "head_dim": d, "sampling": args.sampling}
+    sampling = None
+    if args.sampling != "greedy":
+        from vllm_tokenswift.bench.methods import sampling_kwargs
+
+        sampling, _ = sampling_kwargs("tokenswift", args.sampling, {"method": "tokenswift"})
 
     def save():
         with open(os.path.join(args.out, "probe.json"), "w", encoding="utf-8") as f:
@@ -540,14 +553,15 @@ def run_cli(args: argparse.Namespace) -> int:
             bar = tqdm(total=per_ctx * len(contexts), desc="probe", file=err, dynamic_ncols=True)
             for c in contexts:
                 rows += probe_context(model, heads, c, yarn=yarn, drafts=args.drafts, budgets=args.kv_budgets,
-                                      tokens=args.tokens, kernels=kernels, bar=bar)
+                                      tokens=args.tokens, kernels=kernels, bar=bar, sampling=sampling)
                 save()
             bar.close()
         text = markdown(rows, micro)
         if work:
             text += "\nProposer work per step (engine-free, one request):\n\n" + step_work_markdown(work)
         with open(os.path.join(args.out, "probe.md"), "w", encoding="utf-8") as f:
-            f.write(f"# Cost probe: {os.path.basename(model)}" + (f", YaRN x{yarn:g}" if yarn else "") + "\n\n")
+            f.write(f"# Cost probe: {os.path.basename(model)}" + (f", YaRN x{yarn:g}" if yarn else "")
+                    + f", {args.sampling} sampling" + "\n\n")
             f.write(text)
         png = plot(rows, micro, os.path.join(args.out, "probe.png"))
         print(text, file=out)
