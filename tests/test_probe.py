@@ -217,7 +217,7 @@ def test_segments_from_real_plugin_snapshots():
     assert rows[0]["acceptance_rate"] == pytest.approx(20 / (4 * 10))
 
 
-def test_probe_requests_carry_the_sampling_and_the_directive(monkeypatch):
+def test_probe_requests_carry_the_sampling_and_the_directive():
     """``probe --sampling paper``: every timed request has the paper's sampling (penalty
     window in ``extra_args``) beside the probe policy's directive; greedy by default."""
     import argparse

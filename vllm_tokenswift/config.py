@@ -448,7 +448,7 @@ def validate(vllm_config, *, logits_all_gathered: bool | None = None) -> TokenSw
             'speculative_config={"method": "tokenswift", ...} with the vllm-tokenswift plugin '
             "instead of naming the proposer class")
     cfg = raw if isinstance(raw, TokenSwiftConfig) else TokenSwiftConfig.parse(dict(raw))
-    check_rejection_method(getattr(vllm_config.speculative_config, "rejection_sample_method", "standard"))
+    check_rejection_method(getattr(vllm_config.speculative_config, "rejection_sample_method", None))
     par = vllm_config.parallel_config
     check_pipeline_parallel(getattr(par, "pipeline_parallel_size", 1))
     mc = vllm_config.model_config

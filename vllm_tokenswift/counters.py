@@ -115,7 +115,7 @@ def counter_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
         if isinstance(a, list):
             if not all(_is_number(x) for x in a):
                 continue            # not a counter vector (e.g. ``prometheus_samples`` tuples)
-            b = [x for x in (b or []) if _is_number(x)] if isinstance(b, list) else []
+            b = b if isinstance(b, list) else []
             d[k] = [int(x) - (int(b[i]) if i < len(b) else 0) for i, x in enumerate(a)]
         elif isinstance(a, dict):
             d[k] = counter_delta(b if isinstance(b, dict) else {}, a)

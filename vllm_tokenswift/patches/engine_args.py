@@ -59,7 +59,7 @@ def translate_speculative_config(engine_args, model_config=None) -> None:
     cfg = TokenSwiftConfig.from_speculative_dict(sc)
     # the checks validate() makes on the finished VllmConfig, made here too so that they fail
     # before vLLM builds it (the same functions)
-    check_rejection_method(sc.get("rejection_sample_method", "standard"))
+    check_rejection_method(sc.get("rejection_sample_method"))
     check_pipeline_parallel(getattr(engine_args, "pipeline_parallel_size", 1))
     if model_config is not None:
         cfg.check_model(hidden_size=int(model_config.hf_text_config.hidden_size),
