@@ -41,6 +41,28 @@ def test_profile_delta_subtracts_the_snapshot_before():
     assert probe.profile_delta(None, after)["counts"] == {"steps": 10}
 
 
+def test_decode_steps_cancels_the_first_prefill_step():
+    # both requests start with the same 200 ms tail prefill; only the long one's extra
+    # 30 steps of 25 ms remain
+    short = {"wall_s": 0.2 + 5 * 0.025, "steps": 6,
+             "profile": {"seconds": {"attention": 0.15 + 5 * 0.01}, "counts": {"steps": 6}}}
+    long = {"wall_s": 0.2 + 35 * 0.025, "steps": 36,
+            "profile": {"seconds": {"attention": 0.15 + 35 * 0.01}, "counts": {"steps": 36}}}
+    d = probe.decode_steps(short, long)
+    assert d["steps"] == 30 and d["wall_s"] == pytest.approx(30 * 0.025)
+    assert d["profile"]["seconds"]["attention"] == pytest.approx(0.3)
+    assert d["profile"]["counts"]["steps"] == 30
+    b = probe.step_breakdown(d["profile"], d["wall_s"], d["steps"])
+    assert b["step"] == pytest.approx(25.0) and b["attention"] == pytest.approx(10.0)
+    with pytest.raises(ValueError, match="more steps"):
+        probe.decode_steps(long, short)
+
+
+def test_probe_rejects_too_few_tokens_before_any_engine():
+    with pytest.raises(SystemExit, match="--tokens must exceed 32"):
+        probe.main(["--model", "tiny", "--tokens", "20", "--no-micro"])
+
+
 def test_step_profile_times_only_when_enabled():
     off = StepProfile(enabled=False)
     with off.timed("x"):
@@ -157,7 +179,12 @@ def test_attention_microbench_rows():
     assert [(r["context"], r["q"]) for r in rows] == [(512, 1), (512, 5)]
     assert all(r["vllm_ms"] > 0 and r["plugin_ms"] > 0 and r["max_abs_diff"] < 1e-4 for r in rows)
     md = probe.markdown([], rows)
-    assert "| 512 | 5 |" in md
+    assert "| 512 | 5 |" in md and "cache-warm" in md
+    cold = probe.attention_microbench([256], hq=6, hkv=2, d=64, q_lens=(3,), reps=1, layers=3)
+    assert [(r["q"], r["layers"]) for r in cold] == [(3, 3)] and cold[0]["max_abs_diff"] < 1e-4
+    assert "3 layers' caches attended in turn, cold" in probe.markdown([], cold)
+    with pytest.raises(ValueError, match="layers"):
+        probe.attention_microbench([256], hq=6, hkv=2, d=64, layers=0)
 
 
 def test_ngram_table_entries_grow_with_distinct_text():

@@ -11,7 +11,9 @@ runs the draft forward; see ``TokenSwiftConfig.policy``):
   one invocation;
 * the draft forward at each ``kv_budget`` (one engine per budget).
 
-Each is split with the worker's profile (:mod:`vllm_tokenswift.profiling`) into the
+A shape's steps are those of a ``--tokens`` request minus those of a 16-token request
+of the same shape (:func:`decode_steps`), so the first step of each, which prefills the
+prompt's uncached tail, cancels out. Each is split with the worker's profile (:mod:`vllm_tokenswift.profiling`) into the
 attention layers, the rest of the target's forward, sampling / rejection sampling, the
 proposer (the draft forward included) and the remainder (scheduling, the engine-core
 round trip, input preparation, the LM head). Beside it, a micro-benchmark of the
@@ -37,6 +39,9 @@ from typing import Any, Sequence
 DEFAULT_CONTEXTS = {"tiny": [8192, 32768, 65536, 98304], "smollm2": [8192, 16384]}
 DEFAULT_DRAFTS = (0, 1, 2, 4, 8)
 DEFAULT_BUDGETS = (512, 1024, 4096)
+#: tokens of the short request whose steps are subtracted from every timed one
+#: (:func:`decode_steps`)
+SHORT_TOKENS = 16
 MICRO_Q = (1, 2, 5, 9)
 #: profile parts a step is split into (ms per step), in plot order
 PARTS = ("attention", "forward_rest", "sample", "propose", "other")
@@ -102,24 +107,38 @@ def _median_ms(fn, reps: int) -> float:
 
 def attention_microbench(contexts: Sequence[int], *, hq: int, hkv: int, d: int, block_size: int = 128,
                          q_lens: Sequence[int] = MICRO_Q, reps: int | None = None,
-                         threads: int = 1) -> list[dict]:
+                         threads: int = 1, layers: int = 1) -> list[dict]:
     """Milliseconds of one layer's attention for one request, vLLM's op against the
-    plugin's kernel, at each context and query length, over the same paged cache.
+    plugin's kernel, at each context and query length, over the same paged caches.
 
-    Returns rows ``{"context", "q", "vllm_ms", "plugin_ms", "max_abs_diff"}`` (median of
-    ``reps`` calls; default 20 below 16K tokens of context, else 7), on ``threads`` threads
-    (the CPU worker's one by default).
+    ``layers`` caches (one per layer, ``[blocks, hkv, block_size, 2d]`` fp32 each) are
+    attended in turn, as a decode step does: with the model's layer count their KV
+    exceeds the last-level cache from a few thousand tokens on, so the op reads its
+    context from DRAM as in the engine (with ``layers=1`` a 16K-token layer, 16.8 MB on
+    the demo model, stays in a 32 MB L3 and the timing is cache-warm). The two ops are
+    timed alternately, rep by rep, so a drift of the machine's memory bandwidth hits both.
+
+    Returns rows ``{"context", "q", "layers", "vllm_ms", "plugin_ms", "max_abs_diff"}``
+    (ms per layer, median of ``reps`` passes over the layers; default 20 below 16K tokens
+    of context, else 7), on ``threads`` threads (the CPU worker's one by default).
+
+    Raises:
+        ValueError: ``layers`` < 1.
     """
     import torch
 
     from vllm_tokenswift import verify_attention as va
 
+    if layers < 1:
+        raise ValueError(f"layers must be >= 1, got {layers}")
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     rows = []
     try:
         for c in contexts:
-            cache, table = synthetic_cache(c + max(q_lens), hkv=hkv, d=d, block_size=block_size)
+            caches = [synthetic_cache(c + max(q_lens), hkv=hkv, d=d, block_size=block_size, seed=i)
+                      for i in range(layers)]
+            table = caches[0][1]
             for q in q_lens:
                 seq = c + q
                 query = torch.randn(q, hq, d)
@@ -128,10 +147,27 @@ def attention_microbench(contexts: Sequence[int], *, hq: int, hkv: int, d: int, 
                 mine = torch.empty_like(query)
                 plan = va.make_plan([0], [q], [seq], [0], num_kv_heads=hkv, gqa=hq // hkv, head_dim=d,
                                     block_size=block_size, num_threads=threads)
+
+                def run_vllm():
+                    for cache, _ in caches:
+                        vllm_attention(query, cache, table, [q], [seq], scale, ref)
+
+                def run_plugin():
+                    for cache, _ in caches:
+                        va.verify_attention(query, cache, table, plan, mine, scale)
+
                 n = reps or (20 if c < 16384 else 7)
-                t_vllm = _median_ms(lambda: vllm_attention(query, cache, table, [q], [seq], scale, ref), n)
-                t_mine = _median_ms(lambda: va.verify_attention(query, cache, table, plan, mine, scale), n)
-                rows.append({"context": int(c), "q": int(q), "vllm_ms": t_vllm, "plugin_ms": t_mine,
+                run_vllm()
+                run_plugin()
+                t_vllm, t_mine = [], []
+                for _ in range(n):
+                    for fn, ts in ((run_vllm, t_vllm), (run_plugin, t_mine)):
+                        t = time.perf_counter()
+                        fn()
+                        ts.append(time.perf_counter() - t)
+                rows.append({"context": int(c), "q": int(q), "layers": int(layers),
+                             "vllm_ms": 1e3 * statistics.median(t_vllm) / layers,
+                             "plugin_ms": 1e3 * statistics.median(t_mine) / layers,
                              "max_abs_diff": float((ref - mine).abs().max())})
     finally:
         torch.set_num_threads(prev)
@@ -148,6 +184,29 @@ def profile_delta(before: dict | None, after: dict) -> dict:
     return out
 
 
+def decode_steps(short: dict, long: dict) -> dict:
+    """The decode steps of ``long`` alone: ``long - short`` of two requests of one shape
+    over the same cached prompt (``{"wall_s", "steps", "profile"}`` each, as
+    :func:`_run_shape` returns them).
+
+    Each request's first step prefills the prompt's tail that prefix caching cannot
+    serve (up to a block, 127 tokens at block size 128: about 235 ms of attention at a
+    16K context on the demo model) on vLLM's kernel; spread over the request's steps it
+    inflated every shape's per-step cost, and verifying shapes (fewer steps per token)
+    more than the plain one. The difference keeps only the ``long`` request's extra
+    decode steps.
+
+    Raises:
+        ValueError: ``long`` has no more steps than ``short``.
+    """
+    steps = int(long["steps"]) - int(short["steps"])
+    if steps < 1:
+        raise ValueError(f"the long request ({long['steps']} steps) needs more steps than the short one "
+                         f"({short['steps']})")
+    return {"wall_s": float(long["wall_s"]) - float(short["wall_s"]), "steps": steps,
+            "profile": profile_delta(short["profile"], long["profile"])}
+
+
 def step_breakdown(profile: dict, wall_s: float, steps: int) -> dict:
     """Per-step milliseconds of a run whose ``steps`` engine steps all had one shape.
 
@@ -162,7 +221,7 @@ def step_breakdown(profile: dict, wall_s: float, steps: int) -> dict:
         ``step`` (wall / steps), ``attention``, ``forward_rest`` (the verification
         forward minus its attention), ``sample``, ``propose``, ``other`` (the remainder,
         never below 0) in ms per step, and per draft forward call ``draft_forward`` and
-        ``draft_attention`` (ms; None without draft forwards).
+        ``draft_attention`` (ms; None without draft forwards). No part is below 0.
 
     Raises:
         ValueError: ``steps`` < 1.
@@ -170,7 +229,9 @@ def step_breakdown(profile: dict, wall_s: float, steps: int) -> dict:
     if steps < 1:
         raise ValueError("a run needs at least one step")
     s = profile.get("seconds") or {}
-    per = {k: 1e3 * float(s.get(k, 0.0)) / steps for k in ("forward", "attention", "sample", "propose")}
+    # never below 0: a part that is ~0 per step can come out slightly negative as the
+    # difference of two requests (decode_steps)
+    per = {k: max(0.0, 1e3 * float(s.get(k, 0.0)) / steps) for k in ("forward", "attention", "sample", "propose")}
     step = 1e3 * wall_s / steps
     out = {"step": step, "attention": per["attention"], "forward_rest": max(0.0, per["forward"] - per["attention"]),
            "sample": per["sample"], "propose": per["propose"],
@@ -200,7 +261,9 @@ def markdown(rows: list[dict], micro: list[dict]) -> str:
         cells = " | ".join("-" if v is None else f"{v:.1f}" for v in parts)
         lines.append(f"| {r['context']:,} | {r['shape']} | {r['kernel']} | {ms:.1f} | {ratio} | {cells} |")
     if micro:
-        lines += ["", "Attention op alone (one layer, one request, ms; median):", "",
+        n_layers = micro[0].get("layers", 1)
+        lines += ["", f"Attention op alone (one request, ms per layer, median; {n_layers} layers' caches "
+                      "attended in turn" + (", cold as in the engine" if n_layers > 1 else ", cache-warm") + "):", "",
                   "| context | q | vLLM | plugin | vLLM / plugin | vLLM q / vLLM q=1 | plugin q / vLLM q=1 |",
                   "|---|---|---|---|---|---|---|"]
         one = {m["context"]: m["vllm_ms"] for m in micro if m["q"] == 1}
@@ -439,7 +502,8 @@ def probe_context(model: str, heads: str, context: int, *, yarn: float | None, d
                 if bar is not None:
                     bar.set_postfix_str(f"{context:,}: {kernel} kernel: {name}")
                 _run_shape(llm, prompt, directive, 4, sampling)                # warm this shape
-                res = _run_shape(llm, prompt, directive, tokens, sampling)
+                short = _run_shape(llm, prompt, directive, SHORT_TOKENS, sampling)
+                res = decode_steps(short, _run_shape(llm, prompt, directive, tokens, sampling))
                 row = {"context": context, "shape": name, "kernel": kernel, "kv_budget": budget,
                        "drafts": directive["drafts"], "wall_s": res["wall_s"], "steps": res["steps"]}
                 row.update(step_breakdown(res["profile"], res["wall_s"], max(1, res["steps"])))
@@ -477,7 +541,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="draft tokens per verifying step (default 0,1,2,4,8; 0 = the plain step)")
     p.add_argument("--kv-budgets", type=_ints, default=list(DEFAULT_BUDGETS),
                    help="draft forward kv_budget values (default 512,1024,4096)")
-    p.add_argument("--tokens", type=int, default=96, help="tokens generated per timed shape (default 96)")
+    p.add_argument("--tokens", type=int, default=96, help="tokens generated per timed shape (default 96, more than 32)")
     p.add_argument("--kernels", default="plugin,vllm",
                    help="verification attention arms: plugin, vllm (default both)")
     p.add_argument("--micro-only", action="store_true",
@@ -486,6 +550,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="also time the proposer's per-step work (n-gram update and chain, penalty window, "
                         "policy) after 1K, 10K and 100K tokens of history (engine-free)")
     p.add_argument("--no-micro", action="store_true", help="skip the attention micro-benchmark")
+    p.add_argument("--micro-layers", type=int, default=None,
+                   help="caches the micro-benchmark attends in turn, one per layer (default: the model's "
+                        "layer count, so the KV is read from DRAM as in a decode step; 1 = cache-warm)")
     p.add_argument("--out", default=os.path.join("runs", "probe-" + time.strftime("%Y%m%d-%H%M%S")))
     p.add_argument("--sampling", choices=("greedy", "paper"), default="greedy",
                    help="the timed requests' sampling: greedy (default) or the paper's (T 1.0, min_p 0.1, "
@@ -503,6 +570,9 @@ def run_cli(args: argparse.Namespace) -> int:
     from vllm_tokenswift.bench.harness import engine_output_to
     from vllm_tokenswift.models import model_window, read_model_config, resolve_target
 
+    if args.tokens <= 2 * SHORT_TOKENS:
+        raise SystemExit(f"probe: --tokens must exceed {2 * SHORT_TOKENS} (the short request of "
+                         f"{SHORT_TOKENS} tokens is subtracted from every timed one)")
     model, heads = resolve_target(args.model, args.heads)
     name = args.model.strip().lower()
     contexts = args.contexts or DEFAULT_CONTEXTS.get(name, [8192])
@@ -516,6 +586,9 @@ def run_cli(args: argparse.Namespace) -> int:
     hq = int(cfg["num_attention_heads"])
     hkv = int(cfg.get("num_key_value_heads", hq))
     d = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // hq)
+    micro_layers = args.micro_layers or int(cfg.get("num_hidden_layers", 1))
+    if micro_layers < 1:
+        raise SystemExit(f"probe: --micro-layers must be >= 1, got {micro_layers}")
     os.makedirs(args.out, exist_ok=True)
     log = None if args.verbose else os.path.join(args.out, "vllm.log")
     rows: list[dict] = []
@@ -523,7 +596,7 @@ def run_cli(args: argparse.Namespace) -> int:
     work: list[dict] = []
     meta = {"model": model, "heads": heads, "yarn": yarn, "contexts": contexts, "drafts": args.drafts,
             "kv_budgets": args.kv_budgets, "tokens": args.tokens, "kernels": kernels, "heads_q": hq,
-            "heads_kv": hkv, "head_dim": d, "sampling": args.sampling}
+            "heads_kv": hkv, "head_dim": d, "sampling": args.sampling, "micro_layers": micro_layers}
     sampling = None
     if args.sampling != "greedy":
         from vllm_tokenswift.bench.methods import sampling_kwargs
@@ -541,7 +614,7 @@ def run_cli(args: argparse.Namespace) -> int:
     with engine_output_to(log) as (out, err):
         if not args.no_micro:
             print(f"attention op alone: {hq} query heads on {hkv} KV heads, head_dim {d}", file=out, flush=True)
-            micro = attention_microbench(contexts, hq=hq, hkv=hkv, d=d)
+            micro = attention_microbench(contexts, hq=hq, hkv=hkv, d=d, layers=micro_layers)
             save()
         if args.step_work or args.micro_only:
             print("proposer work per step at 1K, 10K and 100K tokens of history", file=out, flush=True)
