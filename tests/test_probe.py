@@ -275,3 +275,24 @@ def test_probe_requests_carry_the_sampling_and_the_directive():
     assert p.parse_args([]).sampling == "greedy" and p.parse_args(["--sampling", "paper"]).sampling == "paper"
     with pytest.raises(SystemExit):
         p.parse_args(["--sampling", "beam"])
+
+
+def test_probe_table_divides_by_the_plain_vllm_step():
+    def row(shape, kernel, step, parts=True):
+        r = {"context": 16384, "shape": shape, "kernel": kernel, "step": step, "draft_forward": None}
+        r.update({p: (1.0 if parts else None) for p in probe.PARTS})
+        return r
+
+    rows = [row("plain", "ar", 20.0, parts=False), row("plain", "plugin", 25.0), row("verify 2", "plugin", 30.0)]
+    lines = probe.markdown(rows, []).splitlines()
+    assert lines[2] == "| 16,384 | plain | ar | 20.0 | 0.80x | 1.00x | - | - | - | - | - |"
+    assert lines[4].startswith("| 16,384 | verify 2 | plugin | 30.0 | 1.20x | 1.50x | 1.0 |")
+    without_ar = probe.markdown(rows[1:], []).splitlines()
+    assert without_ar[3].startswith("| 16,384 | verify 2 | plugin | 30.0 | 1.20x | - | 1.0 |")
+
+
+def test_probe_rejects_unknown_engine_arms():
+    with pytest.raises(SystemExit, match="--kernels"):
+        probe.main(["--model", "tiny", "--kernels", "ar,triton", "--no-micro"])
+    with pytest.raises(SystemExit, match="--kernels"):
+        probe.main(["--model", "tiny", "--kernels", "ar", "--no-micro"])

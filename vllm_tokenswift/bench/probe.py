@@ -246,13 +246,16 @@ def step_breakdown(profile: dict, wall_s: float, steps: int) -> dict:
 def markdown(rows: list[dict], micro: list[dict]) -> str:
     """The probe's tables: step shapes per context (ms and × the plain step of the same
     engine kind), then the attention micro-benchmark."""
-    lines = ["| context | step | kernel | ms | × plain | attention | rest of forward | sampling | proposer | other |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| context | step | kernel | ms | × plain | × AR | attention | rest of forward | sampling | proposer "
+             "| other |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     plain = {(r["context"], r["kernel"]): r["step"] for r in rows if r["shape"] == "plain"}
     for r in rows:
-        base = plain.get((r["context"], r["kernel"])) or plain.get((r["context"], "plugin"))
+        base = plain.get((r["context"], r["kernel"] if r["kernel"] != "ar" else "plugin")) \
+            or plain.get((r["context"], "plugin"))
+        ar = plain.get((r["context"], "ar"))
         ms = r["draft_forward"] if r["shape"].startswith("draft forward") else r["step"]
         ratio = f"{ms / base:.2f}x" if base and ms is not None else "-"
+        ratio += f" | {ms / ar:.2f}x" if ar and ms is not None else " | -"
         if r["shape"].startswith("draft forward"):
             parts = [r.get("draft_attention"), (r["draft_forward"] or 0) - (r.get("draft_attention") or 0),
                      None, None, None]
@@ -293,9 +296,12 @@ def plot(rows: list[dict], micro: list[dict], path: str) -> str | None:
         labels = [f"{r['shape']}\n{r['kernel']}" for r in sel]
         bottom = [0.0] * len(sel)
         for part in PARTS:
-            vals = [r[part] for r in sel]
+            vals = [r[part] or 0.0 for r in sel]
             ax.bar(range(len(sel)), vals, bottom=bottom, color=colors[part], label=part)
             bottom = [b + v for b, v in zip(bottom, vals)]
+        for i, r in enumerate(sel):
+            if r["attention"] is None:   # no parts: the step's time as one bar
+                ax.bar(i, r["step"], color="#999999")
         fwd = [r for r in rows if r["context"] == c and r["shape"].startswith("draft forward")]
         for i, r in enumerate(fwd):
             ax.bar(len(sel) + i, r["draft_forward"], color="#c44e52", label="draft forward" if i == 0 else None)
@@ -481,10 +487,13 @@ def probe_context(model: str, heads: str, context: int, *, yarn: float | None, d
     arms = [("plugin", b, b == budgets[min(1, len(budgets) - 1)]) for b in budgets]
     if "vllm" in kernels:
         arms.append(("vllm", budgets[min(1, len(budgets) - 1)], True))
+    if "ar" in kernels:   # plain vLLM, no speculative decoding: the baseline's decode step
+        arms.insert(0, ("ar", None, True))
     for kernel, budget, verify in arms:
-        spec = {"method": "tokenswift", "model": heads, "num_speculative_tokens": k,
-                "tokenswift": {"kv_budget": budget, "policy": "probe",
-                               "verify_attention": "auto" if kernel == "plugin" else "vllm"}}
+        spec = None if kernel == "ar" else {
+            "method": "tokenswift", "model": heads, "num_speculative_tokens": k,
+            "tokenswift": {"kv_budget": budget, "policy": "probe",
+                           "verify_attention": "auto" if kernel == "plugin" else "vllm"}}
         kw = dict(model=model, dtype="float32", max_model_len=mml, enable_prefix_caching=True, seed=0,
                   enforce_eager=True, kv_cache_memory_bytes=int(kv_gb * 2**30), speculative_config=spec,
                   disable_log_stats=False)
@@ -497,16 +506,25 @@ def probe_context(model: str, heads: str, context: int, *, yarn: float | None, d
             _run_shape(llm, prompt, {"kind": "ngram", "drafts": 0}, 2)       # prefill, cached after
             shapes = [("plain" if d == 0 else f"verify {d}", {"kind": "ngram", "drafts": d}) for d in drafts] \
                 if verify else []
-            shapes.append((f"draft forward {budget}", {"kind": "forward", "drafts": k}))
+            if kernel == "ar":
+                shapes = [("plain", {"kind": "ngram", "drafts": 0})]
+            else:
+                shapes.append((f"draft forward {budget}", {"kind": "forward", "drafts": k}))
             for name, directive in shapes:
                 if bar is not None:
                     bar.set_postfix_str(f"{context:,}: {kernel} kernel: {name}")
                 _run_shape(llm, prompt, directive, 4, sampling)                # warm this shape
                 short = _run_shape(llm, prompt, directive, SHORT_TOKENS, sampling)
-                res = decode_steps(short, _run_shape(llm, prompt, directive, tokens, sampling))
+                long = _run_shape(llm, prompt, directive, tokens, sampling)
+                if kernel == "ar":   # one token per step; its worker keeps no step counts
+                    short["steps"], long["steps"] = SHORT_TOKENS, tokens
+                res = decode_steps(short, long)
                 row = {"context": context, "shape": name, "kernel": kernel, "kv_budget": budget,
                        "drafts": directive["drafts"], "wall_s": res["wall_s"], "steps": res["steps"]}
                 row.update(step_breakdown(res["profile"], res["wall_s"], max(1, res["steps"])))
+                if not (res["profile"].get("seconds") or {}).get("forward"):
+                    # an engine whose worker keeps no profile: the step's time alone
+                    row.update({part: None for part in PARTS})
                 rows.append(row)
                 if bar is not None:
                     bar.update(1)
@@ -543,7 +561,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="draft forward kv_budget values (default 512,1024,4096)")
     p.add_argument("--tokens", type=int, default=96, help="tokens generated per timed shape (default 96, more than 32)")
     p.add_argument("--kernels", default="plugin,vllm",
-                   help="verification attention arms: plugin, vllm (default both)")
+                   help="engine arms: plugin (TokenSwift, the plugin's verification kernel), vllm (TokenSwift, "
+                        "vLLM's kernel), ar (plain vLLM without speculative decoding: its decode step, the "
+                        "baseline every × AR figure divides by); default plugin,vllm")
     p.add_argument("--micro-only", action="store_true",
                    help="only the engine-free parts: the attention op and the proposer's per-step work")
     p.add_argument("--step-work", action="store_true",
@@ -577,6 +597,9 @@ def run_cli(args: argparse.Namespace) -> int:
     name = args.model.strip().lower()
     contexts = args.contexts or DEFAULT_CONTEXTS.get(name, [8192])
     kernels = [x.strip() for x in args.kernels.split(",") if x.strip()]
+    unknown = sorted(set(kernels) - {"plugin", "vllm", "ar"})
+    if unknown or "plugin" not in kernels:
+        raise SystemExit(f"probe: --kernels takes plugin (required), vllm and ar; got {args.kernels!r}")
     yarn = args.yarn
     if yarn is None and not args.micro_only:
         base = model_window(model) or 0
@@ -622,7 +645,7 @@ def run_cli(args: argparse.Namespace) -> int:
             save()
         if not args.micro_only:
             per_ctx = (len(args.drafts) * (2 if "vllm" in kernels else 1) + len(args.kv_budgets)
-                       + (1 if "vllm" in kernels else 0))
+                       + (1 if "vllm" in kernels else 0) + (1 if "ar" in kernels else 0))
             bar = tqdm(total=per_ctx * len(contexts), desc="probe", file=err, dynamic_ncols=True)
             for c in contexts:
                 rows += probe_context(model, heads, c, yarn=yarn, drafts=args.drafts, budgets=args.kv_budgets,
