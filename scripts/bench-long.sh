@@ -6,7 +6,7 @@
 # per engine for a 96K-token prefix on 2026-12-02, about 4 at 32K):
 #   probe          cost probe, demo model: decode / verify / draft-forward steps at 8K-96K (~200)
 #   probe-32k      the probe at 32K only (kv_budget 512/1024/4096, both kernels)            (~20)
-#   probe-16k      the probe at 16K, plugin kernel, greedy and the paper's sampling        (~3)
+#   probe-16k      the probe at 16K, plugin kernel and plain vLLM, both samplings           (~10)
 #   probe-96k      the probe at 96K only (kv_budget 1024, both kernels)                     (~80)
 #   probe-smollm2  cost probe, SmolLM2 with YaRN x2 at 8K and 16K                            (~20)
 #   context-8k context-32k context-64k context-96k
@@ -46,8 +46,8 @@ for block in "$@"; do
     probe-32k) $VT probe --model tiny --contexts 32768 --step-work --out "$OUT/probe-32k" ;;
     probe-16k)
       for s in greedy paper; do
-        $VT probe --model tiny --contexts 16384 --drafts 0,2,8 --kv-budgets 1024 --kernels plugin --no-micro \
-          --tokens 64 --sampling $s --out "$OUT/probe-16k-$s"
+        $VT probe --model tiny --contexts 16384 --drafts 0,2,4,8 --kv-budgets 1024 --kernels plugin,ar \
+          --tokens 128 --sampling $s --out "$OUT/probe-16k-$s"
       done ;;
     probe-96k) $VT probe --model tiny --contexts 98304 --kv-budgets 1024 --out "$OUT/probe-96k" ;;
     probe-smollm2) $VT probe --model smollm2 --yarn 2 --contexts 8192,16384 --out "$OUT/probe-smollm2" ;;
