@@ -31,7 +31,7 @@ BOOK=28054
 COMMON=(--quiet --engine-arg enable_prefix_caching=true --kv-cache-gb 1.5)
 
 # METHODS and REPEATS override the context blocks' methods and paired rounds (METHODS also
-# the length block's)
+# the length block's; SAMPLINGS="paper" runs the length block for one sampling)
 context() {   # context PREFIX_TOKENS NAME
   $VT bench --model tiny --yarn 5 --book $BOOK --prefix-len "$1" --gen-lens 1024 \
     --methods "${METHODS:-ar,tokenswift,suffix,ngram}" --sampling greedy,paper --interleave \
@@ -56,7 +56,7 @@ for block in "$@"; do
     context-64k) context 65536 context-64k ;;
     context-96k) context 98304 context-96k ;;
     length)   # one invocation per sampling (each ~25-40 min), so each lands on its own
-      for s in greedy paper; do
+      for s in ${SAMPLINGS:-greedy paper}; do
         $VT bench --model tiny --yarn 2 --book $BOOK --prefix-len 2048 --gen-lens 32768 \
           --methods "${METHODS:-ar,tokenswift,suffix}" --sampling $s --interleave --segment-tokens 8192 \
           "${COMMON[@]}" --out "$OUT/length-32k-$s"
