@@ -144,6 +144,12 @@ def test_segments_from_snapshots():
     assert rows[0]["proposer_ms_per_step"] == pytest.approx(1.0)
     assert rows[1]["history_tokens"] == 200 and rows[1]["ngram_entries"] == 600
     assert rows[1]["distinct_1"] == pytest.approx(50 / 100)         # tokens 100..199: 50 distinct
+    # a final snapshot taken after the request's state was freed reads 0; the memory read
+    # a step before the finish stands in for it
+    snaps[-1]["plugin"]["memory"] = {"history_tokens": 0, "ngram_entries": 0, "rss_bytes": 2**30}
+    snaps[-1]["memory_before_finish"] = {"history_tokens": 196, "ngram_entries": 588, "rss_bytes": 2**30}
+    last = segments.segments_from_snapshots(snaps, ids, 4)[-1]
+    assert last["history_tokens"] == 196 and last["ngram_entries"] == 588
 
 
 def test_paired_segments_pair_by_index_and_round():

@@ -183,7 +183,10 @@ def timed_run_segments(llm: Any, prompt: list[int], sp_kwargs: dict[str, Any], g
     counters at the first token and every ``segment_tokens`` output tokens after it (and
     at the end), turned into ``segments`` rows (:mod:`vllm_tokenswift.bench.segments`).
     The snapshots read counters between steps: their cost (an RPC to the worker, less
-    than a step) falls outside the segments' wall times only in part."""
+    than a step) falls outside the segments' wall times only in part. The proposer's
+    memory for the last segment is read once more when the request is within one step of
+    its end (``memory_before_finish`` of the last snapshot): the final snapshot comes
+    after its state was freed."""
     from vllm import SamplingParams
 
     from vllm_tokenswift.bench import segments as seg
@@ -198,6 +201,7 @@ def timed_run_segments(llm: Any, prompt: list[int], sp_kwargs: dict[str, Any], g
     snaps: list[dict] = []
     steps, n, final, t_first = 0, 0, None, None
     next_mark = 1
+    mem_before_finish = None
     while eng.has_unfinished_requests():
         outs = eng.step()
         steps += 1
@@ -207,12 +211,18 @@ def timed_run_segments(llm: Any, prompt: list[int], sp_kwargs: dict[str, Any], g
             n = len(out.outputs[0].token_ids)
             if out.finished:
                 final = out
+        if (plugin_stats and final is None and mem_before_finish is None
+                and gen_len - n <= (k or 0) + 1):
+            # the next step may finish the request and free its state: read its memory now
+            mem_before_finish = (snapshot(llm, n, steps, True, collectors).get("plugin") or {}).get("memory")
         if n >= next_mark or (final is not None and (not snaps or snaps[-1]["tokens"] < n)):
             if t_first is None and n:
                 t_first = time.perf_counter()
             snaps.append(snapshot(llm, n, steps, plugin_stats, collectors))
             next_mark = (n // segment_tokens + 1) * segment_tokens if n else 1
     wall = time.perf_counter() - t0
+    if mem_before_finish and snaps:
+        snaps[-1]["memory_before_finish"] = mem_before_finish
     ids = list(final.outputs[0].token_ids)
     rec: dict[str, Any] = {"num_tokens": len(ids), "wall_s": wall}
     rec.update(report.throughput(len(ids), wall, 1))

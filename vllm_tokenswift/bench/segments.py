@@ -60,7 +60,9 @@ def segments_from_snapshots(snaps: Sequence[dict], token_ids: Sequence[int], k: 
             row["ngram_acceptance"] = d.get("accepted_ngram", 0) / (nst * chains) if chains else None
             row["steps_by_kind"] = d.get("steps_by_kind")
             row["proposer_ms_per_step"] = 1e3 * d.get("time_draft_s", 0.0) / steps if steps > 0 else None
-            mem = pb.get("memory") or {}
+            # the final snapshot comes after the request finished and its state was freed:
+            # its memory is the one read a step before (harness.timed_run_segments)
+            mem = b.get("memory_before_finish") or pb.get("memory") or {}
             row.update(history_tokens=mem.get("history_tokens"), ngram_entries=mem.get("ngram_entries"),
                        rss_bytes=mem.get("rss_bytes"))
         row.update(counters.distinct_scores([list(token_ids[a["tokens"]: b["tokens"]])]))
