@@ -84,6 +84,23 @@ def test_forced_options_are_honoured():
     assert d.kinds == ["forward", "ngram"] and d.lengths[0] >= 1
 
 
+def test_one_draft_forward_try_outweighs_the_cost_prior():
+    # long context: a plain step 42 ms, the draft forward over a 1,024-token view 9 ms
+    # (0.2x), far below the prior's 1.1x; the first measured try must move the estimate
+    # below the point where a forward that buys ~0.8 tokens pays (~0.7x a plain step)
+    cm = pol.CostModel()
+    for d in [0, 2, 0, 4] * 4:
+        cm.observe_step(0.042 + 0.002 * d, rows=1, draft_tokens=d)
+    c = cm.costs()
+    assert c["f0"] + c["f1"] == pytest.approx((cm.prior_forward + cm.prior_forward_row) * c["a"], rel=0.05)
+    cm.observe_forward(0.009, rows=1)
+    c = cm.costs()
+    assert c["f0"] + c["f1"] < 0.6 * c["a"]
+    cm.observe_forward(0.009, rows=1)
+    c = cm.costs()
+    assert c["f0"] + c["f1"] < 0.45 * c["a"]
+
+
 def test_cost_model_fits_and_priors():
     cm = pol.CostModel(window=32)
     assert not cm.ready

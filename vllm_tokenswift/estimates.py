@@ -161,6 +161,14 @@ class CostModel:
     Args:
         window: observations kept per fit.
         strength: weight of the priors of the forward/fused fits (pseudo-observations).
+            Half an observation: the priors (``prior_forward``·a: a draft forward costs
+            most of a plain step, as at short context where the weights dominate) are
+            wrong by 3-4x at long context (a 1,024-token view against a 32K context: a
+            draft forward cost 0.14-0.3 of a plain step, docs/bench/long), and a request
+            tries the forward only every 48 steps or less often; with a weight of 2 three
+            tries left the estimate at 0.6·a and the policy took the draft forward on 0% of
+            the steps of a 1,024-token request at 32K (2026-12-03). A draft forward's
+            time is measured directly, so one try may outweigh the prior.
         step_strength: weight of the priors of the step fit (weaker: every step
             observes it, and its split between ``a``, ``g`` and ``b`` is what decides).
         refresh_every: once ``2·refresh_every`` steps were observed, the estimates are
@@ -173,7 +181,7 @@ class CostModel:
     """
 
     window: int = 64
-    strength: float = 2.0
+    strength: float = 0.5
     step_strength: float = 0.25
     prior_g: float = 0.15
     prior_b: float = 0.08
