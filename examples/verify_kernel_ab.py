@@ -51,7 +51,7 @@ def main() -> None:
     import torch
 
     from vllm_tokenswift import verify_attention as va
-    from vllm_tokenswift.bench.probe import synthetic_cache, vllm_attention
+    from vllm_tokenswift.bench.attention_op import synthetic_cache, vllm_attention
 
     torch.set_num_threads(1)
     if hasattr(os, "sched_setaffinity"):

@@ -632,3 +632,21 @@ def test_plain_shortcut_edge_cases():
     y = (1 - 1e-6) * 1.11 - 1
     assert pol._no_plan_beats(pol._candidates([row(ngram=[y], none=[])]), c, 1.0)
     assert pol.decide([row(ngram=[y], none=[])], c, min_gain=0.0).lengths == [0]
+
+
+def test_a_view_selecting_draft_forward_is_not_observed_as_the_forwards_cost():
+    from vllm_tokenswift.drafting_policy import StepCosts
+
+    sel = StepCosts.of_drafting((0.100, 1), (0.002, 1), forward_selected=True)
+    assert sel.forward is None and sel.fused == (0.002, 1) and sel.step is None
+    clean = StepCosts.of_drafting((0.009, 1), None)
+    assert clean.forward == (0.009, 1) and clean.fused is None
+    cm = pol.CostModel()
+    for _ in range(16):
+        cm.observe_step(0.042, rows=1, draft_tokens=0)
+    for costs in (sel, clean):           # as DraftingPolicy.account books them
+        if costs.forward is not None:
+            cm.observe_forward(*costs.forward)
+    c = cm.costs()
+    # only the 9 ms forward was observed (with the 100 ms one it would sit near 0.9a)
+    assert c["f0"] + c["f1"] < 0.6 * c["a"]

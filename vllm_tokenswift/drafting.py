@@ -126,12 +126,16 @@ class Drafts:
             sampled tokens were drawn from.
         forward: ``(seconds, rows)`` of the draft forward, or None.
         fused: ``(seconds, rows)`` of the fused heads, or None.
+        forward_selected: the draft forward (re-)selected a request's KV view (drafted
+            over its whole context, or scored all its blocks' importance): its time is
+            not a budgeted forward's (see ``StepCosts.of_drafting``).
     """
 
     chains: dict = field(default_factory=dict)
     q_rows: dict = field(default_factory=dict)
     forward: tuple | None = None
     fused: tuple | None = None
+    forward_selected: bool = False
 
 
 class Drafter:
@@ -198,7 +202,10 @@ class Drafter:
         positions = [r.pos for r in sel]
         has_q = self.access.has_queries
         query_rows = [r.state.q_row if has_q and r.state.q_step == self.last_forward_step else -1 for r in sel]
+        selections = [v.selections for v in views]
         plans = self.views.plan(bt_np, batch_rows, views, positions, query_rows)
+        out.forward_selected = (any(pl.needs_selection for pl in plans)
+                                or any(v.selections != n for v, n in zip(views, selections)))
         tables = self.views.block_tables(bt_np, batch_rows, plans)
         ids = [int(runner.input_batch.token_ids_cpu[r.batch_row, r.pos]) for r in sel]
         slots = self.views.slots(bt_np, batch_rows, positions)

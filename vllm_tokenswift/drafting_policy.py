@@ -91,6 +91,20 @@ class StepCosts:
     forward: tuple | None = None
     fused: tuple | None = None
 
+    @classmethod
+    def of_drafting(cls, forward: tuple | None, fused: tuple | None,
+                    forward_selected: bool = False) -> "StepCosts":
+        """The drafting costs of a step to observe next step: ``forward`` and ``fused``
+        as ``(seconds, rows)`` or None. A draft forward that (re-)selected a KV view
+        (``forward_selected``: a forward over a request's whole context to capture its
+        query, or the importance pass over all its keys, paper Sec 3.3) is not observed:
+        it happens once per request and once per re-selection (every ~6 blocks of output
+        at a 1,024-token budget), while the cost model's ``f0 + f1·n`` is what a draft
+        forward over budgeted views costs step after step. At a 32K-token context the
+        first forward of a request cost ~100 ms against ~9 ms for the next ones, and
+        observing it kept the policy off the draft forward (docs/bench/long)."""
+        return cls(forward=None if forward_selected else forward, fused=fused)
+
 
 def probe_chain(ch: Chain | None, r: Row) -> Chain:
     """The probe policy's chain of exactly the request's ``drafts`` tokens (at most the

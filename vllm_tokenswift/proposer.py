@@ -240,7 +240,8 @@ class TokenSwiftProposer:
                 plan = self._plan(rows)                                    # 3
                 drafts = self._draft(runner, plan)                         # 4
                 self._hand_over(runner, plan, drafts, out)                 # 5
-                self._last_draft_costs = StepCosts(forward=drafts.forward, fused=drafts.fused)
+                self._last_draft_costs = StepCosts.of_drafting(drafts.forward, drafts.fused,
+                                                               drafts.forward_selected)
                 step_fwd_s = drafts.forward[0] if drafts.forward else 0.0
                 step_fused_s = drafts.fused[0] if drafts.fused else 0.0
         finally:
