@@ -28,15 +28,11 @@ KERNEL = "vllm_tokenswift/kernels/verify_attention.c"
 
 
 def build(source: str, out: str) -> ctypes.CDLL:
+    """Compile ``source`` as the plugin compiles its kernel and load it."""
     from vllm_tokenswift import verify_attention as va
 
     subprocess.run([va._compiler(), *va.CFLAGS, "-o", out, source, "-lm"], check=True)
-    lib = ctypes.CDLL(out)
-    fn = lib.tokenswift_verify_attention_f32
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
-    fn.argtypes = [p, i64, p, i64, p, p, i64, p, p, p, p, i32, i32, i32, i32, i32, ctypes.c_float, i32, p]
-    fn.restype = ctypes.c_int
-    return lib
+    return va.bind(ctypes.CDLL(out))
 
 
 def main() -> None:

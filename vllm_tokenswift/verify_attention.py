@@ -113,6 +113,17 @@ def kernel_path() -> Path:
     return kernel_cache_dir() / f"verify_attention-{h.hexdigest()[:16]}.so"
 
 
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the argument and return types of ``tokenswift_verify_attention_f32`` on a
+    loaded build of ``kernels/verify_attention.c`` (as :func:`verify_attention` calls it);
+    returns ``lib``. Raises ``AttributeError`` when the library lacks the symbol."""
+    fn = lib.tokenswift_verify_attention_f32
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+    fn.argtypes = [p, i64, p, i64, p, p, i64, p, p, p, p, i32, i32, i32, i32, i32, ctypes.c_float, i32, p]
+    fn.restype = ctypes.c_int
+    return lib
+
+
 def load_kernel() -> ctypes.CDLL | None:
     """Compile (once per machine) and load the kernel; ``None`` when it cannot run here
     (:func:`kernel_error` says why). Thread-safe; the outcome is cached per process."""
@@ -127,13 +138,7 @@ def load_kernel() -> ctypes.CDLL | None:
                 path = kernel_path()
                 if not path.is_file():
                     _build(path)
-                lib = ctypes.CDLL(str(path))
-                fn = lib.tokenswift_verify_attention_f32
-                p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
-                fn.argtypes = [p, i64, p, i64, p, p, i64, p, p, p, p, i32, i32, i32, i32, i32,
-                               ctypes.c_float, i32, p]
-                fn.restype = ctypes.c_int
-                _kernel = lib
+                _kernel = bind(ctypes.CDLL(str(path)))
             except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
                 reason = f"the verification kernel could not be built or loaded: {e}"
         _kernel_error = reason

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from itertools import accumulate
 from typing import Sequence
 
 #: query lengths of the micro-benchmark (1 + draft tokens)
@@ -39,7 +40,7 @@ def vllm_attention(query, kv_cache, block_table, q_lens: Sequence[int], seq_lens
 
     hq, d = query.shape[1], query.shape[2]
     nb, hkv, bs, _ = kv_cache.shape
-    qsl = torch.tensor([0, *list(_cumsum(q_lens))], dtype=torch.int32)
+    qsl = torch.tensor([0, *accumulate(int(q) for q in q_lens)], dtype=torch.int32)
     sl = torch.tensor(list(seq_lens), dtype=torch.int32)
     md = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=len(q_lens), num_heads=hq, num_kv_heads=hkv, head_dim=d, seq_lens=sl, dtype=query.dtype,
@@ -52,23 +53,6 @@ def vllm_attention(query, kv_cache, block_table, q_lens: Sequence[int], seq_lens
                                     sliding_window=-1, block_table=block_table, softcap=0.0,
                                     scheduler_metadata=md, s_aux=None)
     return out
-
-
-def _cumsum(xs):
-    s = 0
-    for x in xs:
-        s += int(x)
-        yield s
-
-
-def _median_ms(fn, reps: int) -> float:
-    fn()  # warm
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(ts)
 
 
 def attention_microbench(contexts: Sequence[int], *, hq: int, hkv: int, d: int, block_size: int = 128,
