@@ -4,7 +4,10 @@ On TokenSwift engines on vLLM's CPU backend, requests that verify draft tokens (
 ``num_speculative_tokens + 1`` query tokens) get their attention from
 :func:`vllm_tokenswift.verify_attention.verify_attention`; every other request (plain
 decoding, prefill chunks) stays on vLLM's kernel, and engines without TokenSwift are
-untouched. Two methods of ``vllm.v1.attention.backends.cpu_attn`` are wrapped:
+untouched unless they opt in: an engine running vLLM's own ``ngram`` or ``suffix``
+speculative decoding gets the same kernel for its verifying requests with
+``additional_config={"tokenswift_verify_attention": true}`` (:data:`OPT_IN_KEY`; methods
+with a draft model are not covered). Two methods of ``vllm.v1.attention.backends.cpu_attn`` are wrapped:
 
 * ``CPUAttentionMetadataBuilder.build`` (once per step and KV-cache group): after
   vLLM's metadata is built, :func:`plan_batch` picks the verifying requests and, when
@@ -50,6 +53,13 @@ _SETTINGS = "_tokenswift_verify_settings"
 #: the kernel), ``fallbacks`` (forwards that fell back). Per builder, so that engines
 #: sharing a process (in-process engines) keep their own counts.
 _COUNTS = "_tokenswift_verify_counts"
+
+#: ``additional_config`` key by which an engine running one of :data:`OPT_IN_METHODS`
+#: (vLLM's model-free speculative methods, whose verifying requests are all the CPU
+#: attention sees) takes the kernel too, e.g. ``vllm serve ... --speculative-config
+#: '{"method": "suffix"}' --additional-config '{"tokenswift_verify_attention": true}'``
+OPT_IN_KEY = "tokenswift_verify_attention"
+OPT_IN_METHODS = ("ngram", "suffix")
 
 
 def builder_counts(builder) -> Counter:
@@ -99,13 +109,19 @@ def _decide(builder) -> BuilderSettings:
 
     vc = builder.vllm_config
     sc = vc.speculative_config
+    extra = vc.additional_config or {}
     if not is_tokenswift_spec(sc):
-        return BuilderSettings(False)
-    raw = (vc.additional_config or {}).get("tokenswift") or {}
-    mode = getattr(raw, "verify_attention", None) or (raw.get("verify_attention", "auto")
-                                                        if isinstance(raw, dict) else "auto")
-    if mode != "auto":
-        return BuilderSettings(False, reason=f'verify_attention="{mode}"')
+        if sc is None or not extra.get(OPT_IN_KEY):
+            return BuilderSettings(False)
+        if getattr(sc, "method", None) not in OPT_IN_METHODS:
+            return BuilderSettings(False, reason=f"{OPT_IN_KEY} covers {'/'.join(OPT_IN_METHODS)}, "
+                                                 f"not speculative method {getattr(sc, 'method', None)!r}")
+    else:
+        raw = extra.get("tokenswift") or {}
+        mode = getattr(raw, "verify_attention", None) or (raw.get("verify_attention", "auto")
+                                                            if isinstance(raw, dict) else "auto")
+        if mode != "auto":
+            return BuilderSettings(False, reason=f'verify_attention="{mode}"')
     checks = [
         (builder.isa == "vec", f"ISA {builder.isa!r} (the kernel reads the 'vec' layout)"),
         (builder.dtype == torch.float32, f"model dtype {builder.dtype} (the kernel is fp32)"),

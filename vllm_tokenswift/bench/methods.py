@@ -111,7 +111,15 @@ ARCTIC_INSTALL_NOTE = ("suffix decoding needs the arctic-inference package; PyPI
 SUFFIX_CONFIG: dict[str, Any] = {"method": "suffix", "num_speculative_tokens": 8,
                                  "suffix_decoding_max_cached_requests": 0}
 
-KNOWN_METHODS = ("ar", *TOKENSWIFT_VARIANTS, *NGRAM_CONFIGS, "suffix")
+#: vLLM's model-free methods with the plugin's verification-attention kernel
+#: (``additional_config["tokenswift_verify_attention"]``, :data:`vllm_tokenswift.cpu_attention.OPT_IN_KEY`):
+#: at long context on CPU their verifying steps then cost what TokenSwift's do, so a
+#: comparison measures the drafting, not vLLM's CPU attention. Name -> base method.
+VERIFY_KERNEL_METHODS: dict[str, str] = {"suffix-vk": "suffix", "ngram-vk": "ngram",
+                                         "ngram-best-vk": "ngram-best"}
+VERIFY_KERNEL_OPT_IN = "tokenswift_verify_attention"
+
+KNOWN_METHODS = ("ar", *TOKENSWIFT_VARIANTS, *NGRAM_CONFIGS, "suffix", *VERIFY_KERNEL_METHODS)
 
 
 @dataclass
@@ -199,7 +207,8 @@ class BenchConfig:
 # ---------------------------------------------------------------------------
 
 def speculative_config(method: str, cfg: BenchConfig) -> dict[str, Any] | None:
-    """The ``speculative_config`` dict of ``method`` (``None`` for AR).
+    """The ``speculative_config`` dict of ``method`` (``None`` for AR; a
+    :data:`VERIFY_KERNEL_METHODS` name gives its base method's).
 
     Raises:
         ValueError: unknown method.
@@ -209,6 +218,8 @@ def speculative_config(method: str, cfg: BenchConfig) -> dict[str, Any] | None:
         return copy.deepcopy(mc) if mc else None
     if method == "ar":
         return None
+    if method in VERIFY_KERNEL_METHODS:
+        return speculative_config(VERIFY_KERNEL_METHODS[method], cfg)
     if method in TOKENSWIFT_VARIANTS:
         ts = {**cfg.tokenswift, **TOKENSWIFT_VARIANTS[method]}
         return {"method": "tokenswift", "model": cfg.heads, "num_speculative_tokens": cfg.k,
@@ -223,7 +234,9 @@ def speculative_config(method: str, cfg: BenchConfig) -> dict[str, Any] | None:
 
 def method_engine_args(method: str, cfg: BenchConfig) -> dict[str, Any]:
     """Extra ``vllm.LLM`` keyword arguments of ``method``'s engine: the ``"engine_args"``
-    of its ``--method-config`` (over the invocation's ``engine_kwargs``); ``{}`` if none.
+    of its ``--method-config`` (over the invocation's ``engine_kwargs``), and for a
+    :data:`VERIFY_KERNEL_METHODS` name the ``additional_config`` opt-in (merged into the
+    invocation's); ``{}`` if none.
 
     Raises:
         ValueError: ``"engine_args"`` is not a JSON object.
@@ -233,7 +246,11 @@ def method_engine_args(method: str, cfg: BenchConfig) -> dict[str, Any]:
     if not isinstance(extra, dict):
         raise ValueError(f"method {method!r}: \"engine_args\" must be a JSON object of vllm.LLM "
                          f"keyword arguments, got {extra!r}")
-    return dict(extra)
+    extra = dict(extra)
+    if method in VERIFY_KERNEL_METHODS and method not in cfg.method_configs:
+        extra["additional_config"] = {**(cfg.engine_kwargs.get("additional_config") or {}),
+                                      VERIFY_KERNEL_OPT_IN: True}
+    return extra
 
 
 def sampling_kwargs(method: str, sampling: str, spec: dict[str, Any] | None

@@ -34,7 +34,8 @@ PATCHES: tuple[Patch, ...] = (
         build=lambda orig: _cpu_attention().build_patch(orig),
         required=False,
         platforms=frozenset({"cpu"}),
-        changes="on TokenSwift engines, the metadata builder marks the requests that verify draft "
+        changes="on TokenSwift engines (and on ngram/suffix engines that opt in with additional_config "
+                "{'tokenswift_verify_attention': true}), the metadata builder marks the requests that verify draft "
                 "tokens (2 to k+1 query tokens) and, if others share the batch, builds vLLM's metadata "
                 "for the others alone; each attention layer computes the marked requests with the "
                 "plugin's kernel (vllm_tokenswift/verify_attention.py: one pass over the context per "
