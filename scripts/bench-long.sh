@@ -2,8 +2,8 @@
 # The long-context measurements of docs/bench/long (the paper's length table on this CPU).
 # Run each block alone on the machine (nothing else running), one at a time:
 #   bash scripts/bench-long.sh BLOCK [BLOCK...]
-# Blocks (minutes on the 2-vCPU box, mostly prefill: vLLM's CPU prefill attention took 37 minutes
-# per engine for a 96K-token prefix on 2026-12-02, about 4 at 32K):
+# Blocks (minutes on the 2-vCPU box, mostly prefill: vLLM's CPU prefill of a 96K-token prefix took
+# 9-10 minutes per engine on 2026-12-04 (37 on a slower day, 2026-12-02), about 1-4 at 32K):
 #   probe          cost probe, demo model: decode / verify / draft-forward steps at 8K-96K (~200)
 #   probe-32k      the probe at 32K only (kv_budget 512/1024/4096, both kernels)            (~20)
 #   probe-16k      the probe at 16K, plugin kernel and plain vLLM, both samplings           (~10)
@@ -12,7 +12,7 @@
 #   context-8k context-32k context-64k context-96k
 #                  demo model, YaRN x5, a prefix of The Brothers Karamazov (held out), 1,024
 #                  tokens, AR / TokenSwift / suffix / ngram, greedy and the paper's sampling,
-#                  2 paired rounds                                   (~15 / 40 / 120 / 200)
+#                  2 paired rounds (~15 / 30 / 40 / 60 at 2026-12-04's prefill speed)
 #   length         demo model, YaRN x2, 2K prefix, 32K tokens in one request, AR / TokenSwift /
 #                  suffix, both samplings, figures per 8K segment (ar,tokenswift: ~22 greedy,
 #                  ~37 paper's sampling on 2026-12-03)                                     (~80)
@@ -22,7 +22,7 @@
 #                  samplings, figures per 4K segment                                         (~80)
 # Prefix caching is on, so a prefix is prefilled once per engine, not once per run; the
 # decode-phase speedup (decode_speedup_vs_ar) is the figure that counts. Suffix decoding
-# needs arctic-inference (recipe in vllm_tokenswift/bench/harness.py).
+# needs arctic-inference (recipe in vllm_tokenswift/bench/methods.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VT=.venv/bin/vllm-tokenswift
