@@ -81,7 +81,7 @@ NGRAM_CONFIGS: dict[str, dict[str, Any]] = {
 #: matches. Timings on the shared box varied up to 2x between repeats (load
 #: average 5-7 on 2 cores), so the choice rests on accepted length: 8, 2..4.
 NGRAM_SWEEP_NOTES = ("ngram-best = num_speculative_tokens 8, prompt_lookup 2..4: the longest "
-                     "accepted length of the settings tried on the CPU box (see harness.py)")
+                     "accepted length of the settings tried on the CPU box (see bench/methods.py)")
 
 #: Suffix decoding (arctic-inference). ``num_speculative_tokens`` is its cap per step.
 #: Suffix decoding needs ``arctic_inference`` (vLLM checks ``has_arctic_inference()``).
@@ -100,7 +100,7 @@ NGRAM_SWEEP_NOTES = ("ngram-best = num_speculative_tokens 8, prompt_lookup 2..4:
 #:
 #: (torch and vllm versions unchanged by it.)
 ARCTIC_INSTALL_NOTE = ("suffix decoding needs the arctic-inference package; PyPI ships an sdist "
-                       "that compiles a small C++ extension (see harness.py for a recipe that "
+                       "that compiles a small C++ extension (see vllm_tokenswift/bench/methods.py for a recipe that "
                        "keeps the venv's torch)")
 
 #: ``suffix_decoding_max_cached_requests=0`` disables the global tree of *previous*
