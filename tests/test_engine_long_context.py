@@ -4,8 +4,9 @@ attention kernel doing the verifying (issue 44).
 The bundled demo model with YaRN rope scaling (x2: a 40,960-token window), a 16,384-token
 prefix of the bundled book openings, 192 greedy tokens, plain decoding against TokenSwift with ``policy="cycle"``
 (so steps verify draft chains from the draft forward, the fused heads and n-grams, and
-plain steps come between them). The kernel must have computed the verifying requests'
-attention (its counters), and the outputs must be token-identical.
+plain steps come between them). The kernel must have computed the attention of every
+decode request, verifying or not, and of the draft forwards (its counters), and the
+outputs must be token-identical.
 """
 
 from __future__ import annotations
@@ -65,4 +66,7 @@ def test_the_kernel_verified_the_drafts(runs):
     assert va["steps"] > 10 and va["layer_calls"] == 6 * va["steps"], va
     assert va.get("fallbacks", 0) == 0
     assert va["requests"] == va["steps"]          # batch of one
+    # and so did every one-token forward: one per draft forward and per draft-free step
+    kinds = stats["steps_by_kind"]
+    assert va["decode_requests"] == kinds["forward"] + kinds["none"], (va, kinds)
     assert stats["steps_by_kind"]["forward"] > 5 and stats["accepted_tokens"] > 0, stats["steps_by_kind"]

@@ -35,7 +35,9 @@ def test_who_may_opt_in():
     assert ca._decide(_builder("suffix", on)).max_query_len == 5          # kernel present in CI
     assert ca._decide(_builder("ngram", on)).enabled
     assert ca._decide(_builder("ngram", None)) == ca.BuilderSettings(False)
-    assert ca._decide(_builder(None, on)) == ca.BuilderSettings(False)     # plain decoding
+    assert ca._decide(_builder(None, None)) == ca.BuilderSettings(False)   # plain decoding
+    # a plain engine that opts in routes its one-token decode rows (bench method ar-vk)
+    assert ca._decide(_builder(None, on)) == ca.BuilderSettings(True, max_query_len=1)
     s = ca._decide(_builder("eagle", on))
     assert not s.enabled and "'eagle'" in s.reason
     assert methods.VERIFY_KERNEL_OPT_IN == ca.OPT_IN_KEY
@@ -46,6 +48,49 @@ def test_bench_methods_carry_the_opt_in():
     assert methods.speculative_config("suffix-vk", cfg) == methods.speculative_config("suffix", cfg)
     assert methods.method_engine_args("suffix-vk", cfg) == {"additional_config": {"x": 1, ca.OPT_IN_KEY: True}}
     assert methods.method_engine_args("suffix", cfg) == {}
+    assert methods.speculative_config("ar-vk", cfg) is None          # plain decoding on the kernel
+    assert methods.method_engine_args("ar-vk", cfg) == {"additional_config": {"x": 1, ca.OPT_IN_KEY: True}}
+
+
+def _plan(q_lens, seq_lens, max_query_len):
+    """:func:`ca.plan_batch` on a batch of ``q_lens`` query tokens per request (real vLLM
+    metadata type, 3 query heads on 1 KV head, head_dim 64, block 128)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
+
+    n = len(q_lens)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    bt = torch.arange(n * 4, dtype=torch.int32).view(n, 4)
+    md = CPUAttentionMetadata(num_actual_tokens=int(qsl[-1]), max_query_len=max(q_lens), query_start_loc=qsl,
+                              max_seq_len=max(seq_lens), seq_lens=seq, block_table=bt, slot_mapping=None,
+                              scheduler_metadata=None, causal=True)
+    b = SimpleNamespace(num_heads=3, num_kv_heads=1, head_dim=64, block_size=128, dtype=torch.float32,
+                        window_size=-1, isa="vec", kv_cache_dtype="auto")
+    common = SimpleNamespace(num_reqs=n, query_start_loc_cpu=qsl)
+    return ca.plan_batch(b, ca.BuilderSettings(True, max_query_len=max_query_len), md, common), b
+
+
+def test_plan_routes_every_decode_row_and_leaves_prefill_to_vllm():
+    # decode rows without drafts (q=1) and verifying rows (q=3, q=5) are planned; a
+    # 40-token prefill chunk and a 6-token one (more than k+1 = 5) are left to vLLM
+    bp, b = _plan([1, 3, 40, 5, 1, 6], [300, 302, 40, 511, 9, 200], 5)
+    assert bp.plan.q_start.tolist() == [0, 1, 44, 49]
+    assert bp.plan.q_len.tolist() == [1, 3, 5, 1]
+    assert bp.plan.seq_len.tolist() == [300, 302, 511, 9]
+    assert bp.plan.bt_row.tolist() == [0, 1, 3, 4]
+    assert bp.rest_tokens.tolist() == [*range(4, 44), *range(50, 56)]
+    rest = bp.rest_metadata
+    assert rest.query_start_loc.tolist() == [0, 40, 46] and rest.seq_lens.tolist() == [40, 200]
+    assert rest.block_table.tolist() == [[8, 9, 10, 11], [20, 21, 22, 23]]
+    assert (rest.num_actual_tokens, rest.max_query_len, rest.max_seq_len) == (46, 40, 200)
+    c = ca.builder_counts(b)
+    assert (c["steps"], c["requests"], c["tokens"], c["decode_requests"], c["mixed_steps"]) == (1, 4, 10, 2, 1)
+
+
+def test_plan_of_a_plain_engine_takes_only_one_token_rows():
+    bp, _ = _plan([1, 1, 2], [700, 129, 64], 1)      # max_query_len 1: the plain-engine opt-in
+    assert bp.plan.q_len.tolist() == [1, 1] and bp.rest_tokens.tolist() == [2, 3]
+    assert _plan([7, 2], [7, 64], 1)[0] is None          # prefill only: no plan, vLLM's path untouched
 
 
 def _counts(worker):
@@ -74,6 +119,8 @@ def test_ngram_with_the_kernel_equals_plain_decoding():
     shutdown(ng)
     first = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
     assert len(got) == NEW and first is None, f"ngram + kernel differs from plain decoding at token {first}"
-    # every verifying step ran the kernel in all 6 layers, without a fallback
+    # every decode step (verifying, and one-token steps where no n-gram matched) ran the
+    # kernel in all 6 layers, without a fallback: NEW tokens took at most NEW decode steps
     assert counts.get("steps", 0) > 5 and counts["layer_calls"] == 6 * counts["steps"], counts
+    assert counts["requests"] == counts["steps"] and counts["tokens"] >= NEW - 1, counts
     assert counts.get("fallbacks", 0) == 0

@@ -1,21 +1,29 @@
 """vLLM glue of the verification kernel: the ``cpu-verify-attention`` patch.
 
-On TokenSwift engines on vLLM's CPU backend, requests that verify draft tokens (2 to
-``num_speculative_tokens + 1`` query tokens) get their attention from
-:func:`vllm_tokenswift.verify_attention.verify_attention`; every other request (plain
-decoding, prefill chunks) stays on vLLM's kernel, and engines without TokenSwift are
-untouched unless they opt in: an engine running vLLM's own ``ngram`` or ``suffix``
-speculative decoding gets the same kernel for its verifying requests with
-``additional_config={"tokenswift_verify_attention": true}`` (:data:`OPT_IN_KEY`; methods
-with a draft model are not covered). Two methods of ``vllm.v1.attention.backends.cpu_attn`` are wrapped:
+On TokenSwift engines on vLLM's CPU backend, every decode request (one query token, or
+a verifying request with 2 to ``num_speculative_tokens + 1``) gets its attention from
+:func:`vllm_tokenswift.verify_attention.verify_attention`; prefill chunks longer than
+that stay on vLLM's kernel. Decode rows without drafts are routed too because the
+plugin's kernel reads the context once per KV head where vLLM 0.32's reads it once per
+query head: at one query token it takes 0.33-0.52x vLLM's time from 512 to 96K tokens
+of context (``vllm-tokenswift probe --micro-only``, demo model), so a draft-free step of a
+TokenSwift engine is no dearer than its verifying ones. Engines without TokenSwift are
+untouched unless they opt in with ``additional_config={"tokenswift_verify_attention":
+true}`` (:data:`OPT_IN_KEY`): an engine running vLLM's own ``ngram`` or ``suffix``
+speculative decoding (:data:`OPT_IN_METHODS`) then gets the same routing, and a plain
+engine (no speculative decoding) its one-token decode rows, which is how benchmarks
+separate what the kernel buys from what drafting buys (bench method ``ar-vk``);
+methods with a draft model are not covered. Two methods of
+``vllm.v1.attention.backends.cpu_attn`` are wrapped:
 
-* ``CPUAttentionMetadataBuilder.build`` (once per step and KV-cache group): after
-  vLLM's metadata is built, :func:`plan_batch` picks the verifying requests and, when
-  others share the batch, builds vLLM's metadata for those others alone (their query
-  tokens, sequence lengths, block-table rows and the kernel's scheduler metadata).
-  The plan rides on the metadata object as :data:`ATTR`.
+* ``CPUAttentionMetadataBuilder.build`` (once per step and KV-cache group, and for the
+  draft forward through ``build_for_drafting``): after vLLM's metadata is built,
+  :func:`plan_batch` picks the decode requests and, when prefill chunks share the
+  batch, builds vLLM's metadata for those alone (their query tokens, sequence lengths,
+  block-table rows and the kernel's scheduler metadata). The plan rides on the
+  metadata object as :data:`ATTR`.
 * ``CPUAttentionBackendImpl.forward`` (every attention layer): with a plan, the
-  verifying requests' rows of the output come from the plugin's kernel and the others'
+  planned requests' rows of the output come from the plugin's kernel and the others'
   from vLLM's kernel over the gathered rest; without one it is vLLM's forward.
 
 Fail-closed: the builder plans only where the kernel applies (fp32 model and cache,
@@ -60,6 +68,9 @@ _COUNTS = "_tokenswift_verify_counts"
 #: '{"method": "suffix"}' --additional-config '{"tokenswift_verify_attention": true}'``
 OPT_IN_KEY = "tokenswift_verify_attention"
 OPT_IN_METHODS = ("ngram", "suffix")
+#: what a plain engine (no speculative decoding) with :data:`OPT_IN_KEY` routes: its
+#: one-token decode rows (``BuilderSettings.max_query_len``)
+PLAIN_MAX_QUERY_LEN = 1
 
 
 def builder_counts(builder) -> Counter:
@@ -111,9 +122,9 @@ def _decide(builder) -> BuilderSettings:
     sc = vc.speculative_config
     extra = vc.additional_config or {}
     if not is_tokenswift_spec(sc):
-        if sc is None or not extra.get(OPT_IN_KEY):
+        if not extra.get(OPT_IN_KEY):
             return BuilderSettings(False)
-        if getattr(sc, "method", None) not in OPT_IN_METHODS:
+        if sc is not None and getattr(sc, "method", None) not in OPT_IN_METHODS:
             return BuilderSettings(False, reason=f"{OPT_IN_KEY} covers {'/'.join(OPT_IN_METHODS)}, "
                                                  f"not speculative method {getattr(sc, 'method', None)!r}")
     else:
@@ -136,22 +147,26 @@ def _decide(builder) -> BuilderSettings:
             return BuilderSettings(False, reason=why)
     if va.load_kernel() is None:
         return BuilderSettings(False, reason=va.kernel_error() or "kernel unavailable")
+    if sc is None:
+        return BuilderSettings(True, max_query_len=PLAIN_MAX_QUERY_LEN)
     return BuilderSettings(True, max_query_len=int(sc.num_speculative_tokens) + 1)
 
 
 def plan_batch(builder, settings: BuilderSettings, metadata, common) -> BatchPlan | None:
-    """The step's :class:`BatchPlan`, or ``None`` when no request verifies drafts.
+    """The step's :class:`BatchPlan`, or ``None`` when no request is a decode request.
 
-    Verifying requests: 2 to ``settings.max_query_len`` query tokens. The rest (decode
-    rows without drafts, prefill chunks) get vLLM's metadata of their own, built as
+    Decode requests: 1 to ``settings.max_query_len`` query tokens (one token: a step
+    without drafts, or the draft forward; more: a step verifying drafts). The rest
+    (prefill chunks) get vLLM's metadata of their own, built as
     ``CPUAttentionMetadataBuilder.build`` does (``ops.cpu_attn_get_scheduler_metadata``).
+    Counts: ``requests``/``tokens`` planned, of them ``decode_requests`` with one token.
     """
     if metadata.dynamic_causal is not None or not metadata.causal:
         return None
     num_reqs = int(common.num_reqs)
     qsl = common.query_start_loc_cpu[: num_reqs + 1].numpy()
     q_lens = np.diff(qsl)
-    verify = (q_lens >= 2) & (q_lens <= settings.max_query_len)
+    verify = (q_lens >= 1) & (q_lens <= settings.max_query_len)
     if not verify.any():
         return None
     seq_lens = metadata.seq_lens[:num_reqs].cpu().numpy()
@@ -164,6 +179,7 @@ def plan_batch(builder, settings: BuilderSettings, metadata, common) -> BatchPla
     counts["steps"] += 1
     counts["requests"] += len(idx)
     counts["tokens"] += int(q_lens[idx].sum())
+    counts["decode_requests"] += int((q_lens[idx] == 1).sum())
     rest = np.flatnonzero(~verify)
     if rest.size:
         from vllm import _custom_ops as ops

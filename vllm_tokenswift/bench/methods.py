@@ -111,12 +111,14 @@ ARCTIC_INSTALL_NOTE = ("suffix decoding needs the arctic-inference package; PyPI
 SUFFIX_CONFIG: dict[str, Any] = {"method": "suffix", "num_speculative_tokens": 8,
                                  "suffix_decoding_max_cached_requests": 0}
 
-#: vLLM's model-free methods with the plugin's verification-attention kernel
-#: (``additional_config["tokenswift_verify_attention"]``, :data:`vllm_tokenswift.cpu_attention.OPT_IN_KEY`):
-#: at long context on CPU their verifying steps then cost what TokenSwift's do, so a
-#: comparison measures the drafting, not vLLM's CPU attention. Name -> base method.
+#: vLLM's model-free methods, and plain decoding, with the plugin's verification-attention
+#: kernel (``additional_config["tokenswift_verify_attention"]``,
+#: :data:`vllm_tokenswift.cpu_attention.OPT_IN_KEY`): at long context on CPU their decode
+#: steps then cost what TokenSwift's do, so a comparison measures the drafting, not vLLM's
+#: CPU attention; ``ar-vk`` (plain decoding, its one-token decode rows on the kernel)
+#: divided by ``ar`` is what the kernel alone buys. Name -> base method.
 VERIFY_KERNEL_METHODS: dict[str, str] = {"suffix-vk": "suffix", "ngram-vk": "ngram",
-                                         "ngram-best-vk": "ngram-best"}
+                                         "ngram-best-vk": "ngram-best", "ar-vk": "ar"}
 VERIFY_KERNEL_OPT_IN = "tokenswift_verify_attention"
 
 KNOWN_METHODS = ("ar", *TOKENSWIFT_VARIANTS, *NGRAM_CONFIGS, "suffix", *VERIFY_KERNEL_METHODS)
