@@ -56,7 +56,8 @@ ATTR = "_tokenswift_verify"
 _SETTINGS = "_tokenswift_verify_settings"
 
 #: attribute of a metadata builder holding its engine's counts (a ``Counter``):
-#: ``steps`` (metadata builds with a plan), ``requests`` and ``tokens`` planned,
+#: ``steps`` (metadata builds with a plan, the draft forward's included), ``requests`` and
+#: ``tokens`` planned, ``decode_requests`` (planned requests with one query token),
 #: ``mixed_steps`` (plans beside requests left to vLLM), ``layer_calls`` (forwards that ran
 #: the kernel), ``fallbacks`` (forwards that fell back). Per builder, so that engines
 #: sharing a process (in-process engines) keep their own counts.
