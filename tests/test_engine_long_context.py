@@ -2,7 +2,7 @@
 attention kernel doing the verifying (issue 44).
 
 The bundled demo model with YaRN rope scaling (x2: a 40,960-token window), a 16,384-token
-prefix of the bundled book openings, 192 greedy tokens, plain decoding against TokenSwift with ``policy="cycle"``
+prefix of the bundled book openings, 128 greedy tokens, plain decoding against TokenSwift with ``policy="cycle"``
 (so steps verify draft chains from the draft forward, the fused heads and n-grams, and
 plain steps come between them). The kernel must have computed the attention of every
 decode request, verifying or not, and of the draft forwards (its counters), and the
@@ -19,7 +19,7 @@ from vllm_tokenswift.assets_cli import DEMO_HEADS, DEMO_MODEL, PROMPTS_DIR
 pytestmark = pytest.mark.engine  # starts vLLM engines (not in ./scripts/test.sh --fast)
 
 CONTEXT = 16384
-NEW = 192
+NEW = 128
 
 
 @pytest.fixture(scope="module")
