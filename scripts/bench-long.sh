@@ -18,6 +18,8 @@
 #                  ~37 paper's sampling on 2026-12-03)                                     (~80)
 #   budget         demo model, 64K prefix: kv_budget 512 / 1024 / 4096 / full (the paper's
 #                  Table 5), the paper's sampling                                            (~30)
+#   budget-paper   the same with the paper's drafting (policy "paper": the draft forward every
+#                  step), so each budget's acceptance is measured on every step            (~30)
 #   smollm2        SmolLM2-135M, YaRN x4, 2K prefix, 16K tokens, AR / TokenSwift, both
 #                  samplings, figures per 4K segment                                         (~80)
 # Prefix caching is on, so a prefix is prefilled once per engine, not once per run; the
@@ -65,6 +67,10 @@ for block in "$@"; do
       $VT bench --model tiny --yarn 5 --book $BOOK --prefix-len 65536 --gen-lens 1024 \
         --methods ar,tokenswift-b512,tokenswift,tokenswift-b4096,tokenswift-fullkv --sampling paper \
         --interleave "${COMMON[@]}" --out "$OUT/budget-64k" ;;
+    budget-paper)
+      $VT bench --model tiny --yarn 5 --book $BOOK --prefix-len 65536 --gen-lens 1024 \
+        --methods ar,tokenswift-b512,tokenswift,tokenswift-b4096,tokenswift-fullkv --sampling paper \
+        --interleave --tokenswift '{"policy": "paper"}' "${COMMON[@]}" --out "$OUT/budget-64k-paper-policy" ;;
     smollm2)
       $VT bench --model smollm2 --yarn 4 --prefix-len 2048 --gen-lens 16384 --methods ar,tokenswift \
         --sampling greedy,paper --interleave --segment-tokens 4096 "${COMMON[@]}" --out "$OUT/smollm2-16k" ;;
