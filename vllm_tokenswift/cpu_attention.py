@@ -167,11 +167,11 @@ def plan_batch(builder, settings: BuilderSettings, metadata, common) -> BatchPla
     num_reqs = int(common.num_reqs)
     qsl = common.query_start_loc_cpu[: num_reqs + 1].numpy()
     q_lens = np.diff(qsl)
-    verify = (q_lens >= 1) & (q_lens <= settings.max_query_len)
-    if not verify.any():
+    decode = (q_lens >= 1) & (q_lens <= settings.max_query_len)
+    if not decode.any():
         return None
     seq_lens = metadata.seq_lens[:num_reqs].cpu().numpy()
-    idx = np.flatnonzero(verify)
+    idx = np.flatnonzero(decode)
     plan = va.make_plan(qsl[idx], q_lens[idx], seq_lens[idx], idx, num_kv_heads=builder.num_kv_heads,
                         gqa=builder.num_heads // builder.num_kv_heads, head_dim=builder.head_dim,
                         block_size=builder.block_size)
@@ -181,7 +181,7 @@ def plan_batch(builder, settings: BuilderSettings, metadata, common) -> BatchPla
     counts["requests"] += len(idx)
     counts["tokens"] += int(q_lens[idx].sum())
     counts["decode_requests"] += int((q_lens[idx] == 1).sum())
-    rest = np.flatnonzero(~verify)
+    rest = np.flatnonzero(~decode)
     if rest.size:
         from vllm import _custom_ops as ops
         from vllm import envs
