@@ -29,6 +29,11 @@ from vllm_tokenswift import policy as _policy
 #: from the front end to the worker processes.
 ADDITIONAL_CONFIG_KEY = "tokenswift"
 
+#: ``additional_config`` key (a bool) by which an engine without TokenSwift (plain decoding,
+#: or vLLM's ``ngram`` / ``suffix`` speculative decoding) takes the plugin's CPU attention
+#: kernel for its decode rows (:mod:`vllm_tokenswift.cpu_attention`, bench methods ``*-vk``).
+VERIFY_ATTENTION_OPT_IN_KEY = "tokenswift_verify_attention"
+
 #: Number of dependent draft heads of a TokenSwift checkpoint (paper Sec 3.2).
 DEFAULT_NUM_HEADS = 3
 

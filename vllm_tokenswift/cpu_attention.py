@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from vllm_tokenswift import verify_attention as va
+from vllm_tokenswift.config import VERIFY_ATTENTION_OPT_IN_KEY
 from vllm_tokenswift.profiling import PROFILE
 
 logger = logging.getLogger("vllm_tokenswift")
@@ -67,7 +68,7 @@ _COUNTS = "_tokenswift_verify_counts"
 #: (vLLM's model-free speculative methods, whose verifying requests are all the CPU
 #: attention sees) takes the kernel too, e.g. ``vllm serve ... --speculative-config
 #: '{"method": "suffix"}' --additional-config '{"tokenswift_verify_attention": true}'``
-OPT_IN_KEY = "tokenswift_verify_attention"
+OPT_IN_KEY = VERIFY_ATTENTION_OPT_IN_KEY
 OPT_IN_METHODS = ("ngram", "suffix")
 #: what a plain engine (no speculative decoding) with :data:`OPT_IN_KEY` routes: its
 #: one-token decode rows (``BuilderSettings.max_query_len``)

@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from vllm_tokenswift.config import VERIFY_ATTENTION_OPT_IN_KEY
+
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: Default target: a model name resolved by :func:`vllm_tokenswift.models.resolve_target`
@@ -119,7 +121,7 @@ SUFFIX_CONFIG: dict[str, Any] = {"method": "suffix", "num_speculative_tokens": 8
 #: divided by ``ar`` is what the kernel alone buys. Name -> base method.
 VERIFY_KERNEL_METHODS: dict[str, str] = {"suffix-vk": "suffix", "ngram-vk": "ngram",
                                          "ngram-best-vk": "ngram-best", "ar-vk": "ar"}
-VERIFY_KERNEL_OPT_IN = "tokenswift_verify_attention"
+VERIFY_KERNEL_OPT_IN = VERIFY_ATTENTION_OPT_IN_KEY
 
 KNOWN_METHODS = ("ar", *TOKENSWIFT_VARIANTS, *NGRAM_CONFIGS, "suffix", *VERIFY_KERNEL_METHODS)
 
