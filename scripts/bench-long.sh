@@ -8,7 +8,7 @@
 #   probe-32k      the probe at 32K only (kv_budget 512/1024/4096, both kernels)            (~20)
 #   probe-16k      the probe at 16K, plugin kernel and plain vLLM, both samplings           (~10)
 #   probe-96k      the probe at 96K only (kv_budget 1024, both kernels)                     (~80)
-#   probe-smollm2  cost probe, SmolLM2 with YaRN x2 at 8K and 16K, the paper's sampling, both
+#   probe-smollm2  cost probe, SmolLM2 with YaRN x4 at 8K and 16K, the paper's sampling, both
 #                  kernels and plain vLLM                                                   (~25)
 #   context-8k context-32k context-64k context-96k   (METHODS may add ar-vk: plain decoding on the kernel)
 #                  demo model, YaRN x5, a prefix of The Brothers Karamazov (held out), 1,024
@@ -53,7 +53,7 @@ for block in "$@"; do
           --tokens 128 --sampling $s --out "$OUT/probe-16k-$s"
       done ;;
     probe-96k) $VT probe --model tiny --contexts 98304 --kv-budgets 1024 --out "$OUT/probe-96k" ;;
-    probe-smollm2) $VT probe --model smollm2 --yarn 2 --contexts 8192,16384 --kernels plugin,vllm,ar \
+    probe-smollm2) $VT probe --model smollm2 --yarn 4 --contexts 8192,16384 --kernels plugin,vllm,ar \
         --sampling paper --out "$OUT/probe-smollm2" ;;
     context-8k) context 8192 context-8k ;;
     context-32k) context 32768 context-32k ;;

@@ -302,3 +302,17 @@ def test_probe_rejects_unknown_engine_arms():
         probe.main(["--model", "tiny", "--kernels", "ar,triton", "--no-micro"])
     with pytest.raises(SystemExit, match="--kernels"):
         probe.main(["--model", "tiny", "--kernels", "ar", "--no-micro"])
+
+
+def test_probe_checks_every_context_against_the_window_before_any_engine(tmp_path):
+    # demo model: 20,480 positions without rope scaling, 40,960 with YaRN x2. 8K fits, 40,960
+    # does not (plus 96 steps of up to 9 tokens: the default drafts go to 8): the whole invocation stops before the first
+    # engine (it used to fail only when it reached that context, after the earlier ones ran)
+    assert probe.probe_max_model_len(8192, 96, [0, 1, 2, 4]) == 8192 + 96 * 5 + 256
+    from vllm_tokenswift.models import resolve_target
+
+    probe.check_windows(str(resolve_target("tiny", None)[0]), [8192, 16384], 2.0, 96, [0, 1, 2, 4])
+    with pytest.raises(SystemExit, match=r"context 40960 .* needs 42080 positions, over the model's window 40960 \(YaRN x2\)"):
+        probe.main(["--model", "tiny", "--contexts", "8192,40960", "--yarn", "2", "--no-micro",
+                    "--out", str(tmp_path)])
+    assert not (tmp_path / "probe.json").exists()

@@ -336,6 +336,28 @@ def _run_shape(llm, prompt: list[int], directive: dict, max_tokens: int, samplin
     return {"wall_s": wall, "steps": steps, "profile": prof}
 
 
+def probe_max_model_len(context: int, tokens: int, drafts: Sequence[int]) -> int:
+    """``max_model_len`` (tokens) of a probe engine at ``context``: the prefix, ``tokens``
+    timed steps of up to ``max(drafts, 4) + 1`` tokens each, and 256 of slack."""
+    return context + tokens * (max(max(drafts), 4) + 1) + 256
+
+
+def check_windows(model: str, contexts: Sequence[int], yarn: float | None, tokens: int,
+                  drafts: Sequence[int]) -> None:
+    """Raise ``ValueError`` naming the first context whose probe engine
+    (:func:`probe_max_model_len`) does not fit the model's window with rope scaling ``yarn``
+    (``original_max_position_embeddings × yarn``); called for every context before the first
+    engine starts, so a long invocation does not fail after its first contexts."""
+    from vllm_tokenswift.models import model_window
+
+    window = model_window(model, yarn)
+    for c in contexts:
+        need = probe_max_model_len(c, tokens, drafts)
+        if window is not None and need > window:
+            raise ValueError(f"context {c} + {tokens} timed steps needs {need} positions, over the model's "
+                             f"window {window}" + (f" (YaRN x{yarn:g})" if yarn else "") + "; raise --yarn")
+
+
 def probe_context(model: str, heads: str, context: int, *, yarn: float | None, drafts: Sequence[int],
                   budgets: Sequence[int], tokens: int, kernels: Sequence[str], bar=None,
                   sampling: dict | None = None) -> list[dict]:
@@ -344,15 +366,11 @@ def probe_context(model: str, heads: str, context: int, *, yarn: float | None, d
     from vllm import LLM
 
     from vllm_tokenswift.bench.harness import teardown_engine
-    from vllm_tokenswift.models import model_window, yarn_overrides
+    from vllm_tokenswift.models import yarn_overrides
 
+    check_windows(model, [context], yarn, tokens, drafts)
     prompt = _book_prompt(model, context)
-    k = max(max(drafts), 4)
-    window = model_window(model, yarn)
-    mml = context + tokens * (k + 1) + 256
-    if window is not None and mml > window:
-        raise ValueError(f"context {context} + {tokens} tokens does not fit the model's window {window}; "
-                         "raise --yarn")
+    mml = probe_max_model_len(context, tokens, drafts)
     kv_bytes = _kv_bytes_per_token(model)
     kv_gb = max(0.5, 1.3 * mml * kv_bytes / 2**30)
     rows: list[dict] = []
@@ -478,8 +496,13 @@ def run_cli(args: argparse.Namespace) -> int:
     yarn = args.yarn
     if yarn is None and not args.micro_only:
         base = model_window(model) or 0
-        need = max(contexts) + args.tokens * (max(max(args.drafts), 4) + 1) + 256
+        need = probe_max_model_len(max(contexts), args.tokens, args.drafts)
         yarn = None if need <= base else float(math.ceil(need / base))
+    if not args.micro_only:
+        try:
+            check_windows(model, contexts, yarn, args.tokens, args.drafts)
+        except ValueError as e:
+            raise SystemExit(f"probe: {e}") from None
     cfg = read_model_config(model) or {}
     hq = int(cfg["num_attention_heads"])
     hkv = int(cfg.get("num_key_value_heads", hq))
