@@ -370,6 +370,7 @@ def probe_context(model: str, heads: str, context: int, *, yarn: float | None, d
 
     check_windows(model, [context], yarn, tokens, drafts)
     prompt = _book_prompt(model, context)
+    k = max(max(drafts), 4)              # the engines' num_speculative_tokens
     mml = probe_max_model_len(context, tokens, drafts)
     kv_bytes = _kv_bytes_per_token(model)
     kv_gb = max(0.5, 1.3 * mml * kv_bytes / 2**30)
