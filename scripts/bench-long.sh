@@ -9,7 +9,7 @@
 #   probe-16k      the probe at 16K, plugin kernel and plain vLLM, both samplings           (~10)
 #   probe-96k      the probe at 96K only (kv_budget 1024, both kernels)                     (~80)
 #   probe-smollm2  cost probe, SmolLM2 with YaRN x4 at 8K and 16K, the paper's sampling, both
-#                  kernels and plain vLLM                                                   (~25)
+#                  kernels and plain vLLM (12 min at 8K, 37 at 16K on 2026-12-04)                (~50)
 #   context-8k context-32k context-64k context-96k   (METHODS may add ar-vk: plain decoding on the kernel)
 #                  demo model, YaRN x5, a prefix of The Brothers Karamazov (held out), 1,024
 #                  tokens, AR / TokenSwift / suffix / ngram, greedy and the paper's sampling,
