@@ -336,10 +336,16 @@ def _run_shape(llm, prompt: list[int], directive: dict, max_tokens: int, samplin
     return {"wall_s": wall, "steps": steps, "profile": prof}
 
 
+def probe_num_spec_tokens(drafts: Sequence[int]) -> int:
+    """``num_speculative_tokens`` of the probe engines: the most draft tokens a timed shape
+    verifies, at least 4 (the draft forward's chain)."""
+    return max(max(drafts), 4)
+
+
 def probe_max_model_len(context: int, tokens: int, drafts: Sequence[int]) -> int:
     """``max_model_len`` (tokens) of a probe engine at ``context``: the prefix, ``tokens``
-    timed steps of up to ``max(drafts, 4) + 1`` tokens each, and 256 of slack."""
-    return context + tokens * (max(max(drafts), 4) + 1) + 256
+    timed steps of up to :func:`probe_num_spec_tokens` ``+ 1`` tokens each, and 256 of slack."""
+    return context + tokens * (probe_num_spec_tokens(drafts) + 1) + 256
 
 
 def check_windows(model: str, contexts: Sequence[int], yarn: float | None, tokens: int,
@@ -362,15 +368,15 @@ def probe_context(model: str, heads: str, context: int, *, yarn: float | None, d
                   budgets: Sequence[int], tokens: int, kernels: Sequence[str], bar=None,
                   sampling: dict | None = None) -> list[dict]:
     """All engines of one context length; rows for :func:`markdown` (see the module doc).
+    The caller has checked ``context`` against the model's window (:func:`check_windows`).
     ``sampling``: ``SamplingParams`` keyword arguments of every timed request (None: greedy)."""
     from vllm import LLM
 
     from vllm_tokenswift.bench.harness import teardown_engine
     from vllm_tokenswift.models import yarn_overrides
 
-    check_windows(model, [context], yarn, tokens, drafts)
     prompt = _book_prompt(model, context)
-    k = max(max(drafts), 4)              # the engines' num_speculative_tokens
+    k = probe_num_spec_tokens(drafts)
     mml = probe_max_model_len(context, tokens, drafts)
     kv_bytes = _kv_bytes_per_token(model)
     kv_gb = max(0.5, 1.3 * mml * kv_bytes / 2**30)
