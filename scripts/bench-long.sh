@@ -15,8 +15,8 @@
 #                  tokens, AR / TokenSwift / suffix / ngram, greedy and the paper's sampling,
 #                  2 paired rounds (~15 / 30 / 40 / 60 at 2026-12-04's prefill speed)
 #   length         demo model, YaRN x2, 2K prefix, 32K tokens in one request, AR / TokenSwift /
-#                  suffix, both samplings, figures per 8K segment (ar,tokenswift: ~22 greedy,
-#                  ~37 paper's sampling on 2026-12-03)                                     (~80)
+#                  suffix, both samplings, figures per 8K segment (ar,tokenswift,suffix-vk:
+#                  24 greedy, 32 paper's sampling on 2026-12-04)                          (~60)
 #   budget         demo model, 64K prefix: kv_budget 512 / 1024 / 4096 / full (the paper's
 #                  Table 5), the paper's sampling                                            (~30)
 #   budget-paper   the same with the paper's drafting (policy "paper": the draft forward every
@@ -62,7 +62,7 @@ for block in "$@"; do
     length)   # one invocation per sampling (each ~25-40 min), so each lands on its own
       for s in ${SAMPLINGS:-greedy paper}; do
         $VT bench --model tiny --yarn 2 --book $BOOK --prefix-len 2048 --gen-lens 32768 \
-          --methods "${METHODS:-ar,tokenswift,suffix}" --sampling $s --interleave --segment-tokens 8192 \
+          --methods "${METHODS:-ar,tokenswift,suffix-vk}" --sampling $s --interleave --segment-tokens 8192 \
           "${COMMON[@]}" --out "$OUT/length-32k-$s"
       done ;;
     budget)
