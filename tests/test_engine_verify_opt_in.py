@@ -18,6 +18,7 @@ import torch
 from vllm_tokenswift import cpu_attention as ca
 from vllm_tokenswift.assets_cli import DEMO_MODEL, PROMPTS_DIR
 from vllm_tokenswift.bench import methods
+from vllm_tokenswift.config import VERIFY_ATTENTION_OPT_IN_KEY
 
 NEW = 96
 
@@ -31,7 +32,7 @@ def _builder(method: str | None, extra: dict | None):
 
 
 def test_who_may_opt_in():
-    on = {ca.OPT_IN_KEY: True}
+    on = {VERIFY_ATTENTION_OPT_IN_KEY: True}
     assert ca._decide(_builder("suffix", on)).max_query_len == 5          # kernel present in CI
     assert ca._decide(_builder("ngram", on)).enabled
     assert ca._decide(_builder("ngram", None)) == ca.BuilderSettings(False)
@@ -40,16 +41,16 @@ def test_who_may_opt_in():
     assert ca._decide(_builder(None, on)) == ca.BuilderSettings(True, max_query_len=1)
     s = ca._decide(_builder("eagle", on))
     assert not s.enabled and "'eagle'" in s.reason
-    assert methods.VERIFY_KERNEL_OPT_IN == ca.OPT_IN_KEY
+    assert VERIFY_ATTENTION_OPT_IN_KEY == "tokenswift_verify_attention"   # the documented key
 
 
 def test_bench_methods_carry_the_opt_in():
     cfg = methods.BenchConfig(engine_kwargs={"additional_config": {"x": 1}})
     assert methods.speculative_config("suffix-vk", cfg) == methods.speculative_config("suffix", cfg)
-    assert methods.method_engine_args("suffix-vk", cfg) == {"additional_config": {"x": 1, ca.OPT_IN_KEY: True}}
+    assert methods.method_engine_args("suffix-vk", cfg) == {"additional_config": {"x": 1, VERIFY_ATTENTION_OPT_IN_KEY: True}}
     assert methods.method_engine_args("suffix", cfg) == {}
     assert methods.speculative_config("ar-vk", cfg) is None          # plain decoding on the kernel
-    assert methods.method_engine_args("ar-vk", cfg) == {"additional_config": {"x": 1, ca.OPT_IN_KEY: True}}
+    assert methods.method_engine_args("ar-vk", cfg) == {"additional_config": {"x": 1, VERIFY_ATTENTION_OPT_IN_KEY: True}}
 
 
 def _plan(q_lens, seq_lens, max_query_len):
@@ -113,7 +114,7 @@ def test_ngram_with_the_kernel_equals_plain_decoding():
     want = list(plain.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids)
     shutdown(plain)
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    ng = make_llm(str(DEMO_MODEL), spec, additional_config={ca.OPT_IN_KEY: True}, **kw)
+    ng = make_llm(str(DEMO_MODEL), spec, additional_config={VERIFY_ATTENTION_OPT_IN_KEY: True}, **kw)
     got = list(ng.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids)
     counts = ng.collective_rpc(_counts)[0]
     shutdown(ng)

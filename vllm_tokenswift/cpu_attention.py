@@ -9,8 +9,8 @@ query head: at one query token it takes 0.33-0.52x vLLM's time from 512 to 96K t
 of context (``vllm-tokenswift probe --micro-only``, demo model), so a draft-free step of a
 TokenSwift engine is no dearer than its verifying ones. Engines without TokenSwift are
 untouched unless they opt in with ``additional_config={"tokenswift_verify_attention":
-true}`` (:data:`OPT_IN_KEY`): an engine running vLLM's own ``ngram`` or ``suffix``
-speculative decoding (:data:`OPT_IN_METHODS`) then gets the same routing, and a plain
+true}`` (:data:`vllm_tokenswift.config.VERIFY_ATTENTION_OPT_IN_KEY`): an engine running
+vLLM's own ``ngram`` or ``suffix`` speculative decoding (:data:`OPT_IN_METHODS`) then gets the same routing, and a plain
 engine (no speculative decoding) its one-token decode rows, which is how benchmarks
 separate what the kernel buys from what drafting buys (bench method ``ar-vk``);
 methods with a draft model are not covered. Two methods of
@@ -64,13 +64,13 @@ _SETTINGS = "_tokenswift_verify_settings"
 #: sharing a process (in-process engines) keep their own counts.
 _COUNTS = "_tokenswift_verify_counts"
 
-#: ``additional_config`` key by which an engine running one of :data:`OPT_IN_METHODS`
-#: (vLLM's model-free speculative methods, whose verifying requests are all the CPU
-#: attention sees) takes the kernel too, e.g. ``vllm serve ... --speculative-config
-#: '{"method": "suffix"}' --additional-config '{"tokenswift_verify_attention": true}'``
-OPT_IN_KEY = VERIFY_ATTENTION_OPT_IN_KEY
+#: vLLM's model-free speculative methods (whose verifying requests are all the CPU
+#: attention sees) that may take the kernel too, by the ``additional_config`` key
+#: :data:`vllm_tokenswift.config.VERIFY_ATTENTION_OPT_IN_KEY`, e.g. ``vllm serve ...
+#: --speculative-config '{"method": "suffix"}' --additional-config
+#: '{"tokenswift_verify_attention": true}'``
 OPT_IN_METHODS = ("ngram", "suffix")
-#: what a plain engine (no speculative decoding) with :data:`OPT_IN_KEY` routes: its
+#: what a plain engine (no speculative decoding) that opts in routes: its
 #: one-token decode rows (``BuilderSettings.max_query_len``)
 PLAIN_MAX_QUERY_LEN = 1
 
@@ -124,10 +124,10 @@ def _decide(builder) -> BuilderSettings:
     sc = vc.speculative_config
     extra = vc.additional_config or {}
     if not is_tokenswift_spec(sc):
-        if not extra.get(OPT_IN_KEY):
+        if not extra.get(VERIFY_ATTENTION_OPT_IN_KEY):
             return BuilderSettings(False)
         if sc is not None and getattr(sc, "method", None) not in OPT_IN_METHODS:
-            return BuilderSettings(False, reason=f"{OPT_IN_KEY} covers {'/'.join(OPT_IN_METHODS)}, "
+            return BuilderSettings(False, reason=f"{VERIFY_ATTENTION_OPT_IN_KEY} covers {'/'.join(OPT_IN_METHODS)}, "
                                                  f"not speculative method {getattr(sc, 'method', None)!r}")
     else:
         raw = extra.get("tokenswift") or {}
