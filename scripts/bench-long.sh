@@ -9,7 +9,7 @@
 #   probe-16k      the probe at 16K, plugin kernel and plain vLLM, both samplings           (~10)
 #   probe-96k      the probe at 96K only (kv_budget 1024, both kernels)                     (~80)
 #   probe-smollm2  cost probe, SmolLM2 with YaRN x4 at 8K and 16K, the paper's sampling, both
-#                  kernels and plain vLLM (12 min at 8K, 37 at 16K on 2026-12-04)                (~50)
+#                  kernels and plain vLLM (12 min at 8K, 37 at 16K on 2026-12-04)          (~50)
 #   context-8k context-32k context-64k context-96k   (METHODS may add ar-vk: plain decoding on the kernel)
 #                  demo model, YaRN x5, a prefix of The Brothers Karamazov (held out), 1,024
 #                  tokens, AR / TokenSwift / suffix / ngram, greedy and the paper's sampling,
@@ -59,7 +59,7 @@ for block in "$@"; do
     context-32k) context 32768 context-32k ;;
     context-64k) context 65536 context-64k ;;
     context-96k) context 98304 context-96k ;;
-    length)   # one invocation per sampling (each ~25-40 min), so each lands on its own
+    length)   # one invocation per sampling (each ~25-35 min), so each lands on its own
       for s in ${SAMPLINGS:-greedy paper}; do
         $VT bench --model tiny --yarn 2 --book $BOOK --prefix-len 2048 --gen-lens 32768 \
           --methods "${METHODS:-ar,tokenswift,suffix-vk}" --sampling $s --interleave --segment-tokens 8192 \

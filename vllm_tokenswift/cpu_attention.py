@@ -10,9 +10,10 @@ of context (``vllm-tokenswift probe --micro-only``, demo model), so a draft-free
 TokenSwift engine is no dearer than its verifying ones. Engines without TokenSwift are
 untouched unless they opt in with ``additional_config={"tokenswift_verify_attention":
 true}`` (:data:`vllm_tokenswift.config.VERIFY_ATTENTION_OPT_IN_KEY`): an engine running
-vLLM's own ``ngram`` or ``suffix`` speculative decoding (:data:`OPT_IN_METHODS`) then gets the same routing, and a plain
-engine (no speculative decoding) its one-token decode rows, which is how benchmarks
-separate what the kernel buys from what drafting buys (bench method ``ar-vk``);
+vLLM's own ``ngram`` or ``suffix`` speculative decoding (:data:`OPT_IN_METHODS`) then gets
+the same routing, and a plain engine (no speculative decoding) its one-token decode rows,
+which is how benchmarks separate what the kernel buys from what drafting buys (bench
+method ``ar-vk``);
 methods with a draft model are not covered. Two methods of
 ``vllm.v1.attention.backends.cpu_attn`` are wrapped:
 
@@ -127,8 +128,9 @@ def _decide(builder) -> BuilderSettings:
         if not extra.get(VERIFY_ATTENTION_OPT_IN_KEY):
             return BuilderSettings(False)
         if sc is not None and getattr(sc, "method", None) not in OPT_IN_METHODS:
-            return BuilderSettings(False, reason=f"{VERIFY_ATTENTION_OPT_IN_KEY} covers {'/'.join(OPT_IN_METHODS)}, "
-                                                 f"not speculative method {getattr(sc, 'method', None)!r}")
+            return BuilderSettings(False, reason=f"{VERIFY_ATTENTION_OPT_IN_KEY} covers "
+                                                 f"{'/'.join(OPT_IN_METHODS)}, not speculative "
+                                                 f"method {getattr(sc, 'method', None)!r}")
     else:
         raw = extra.get("tokenswift") or {}
         mode = getattr(raw, "verify_attention", None) or (raw.get("verify_attention", "auto")

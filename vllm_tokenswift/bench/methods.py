@@ -115,9 +115,9 @@ SUFFIX_CONFIG: dict[str, Any] = {"method": "suffix", "num_speculative_tokens": 8
 
 #: vLLM's model-free methods, and plain decoding, with the plugin's verification-attention
 #: kernel (``additional_config["tokenswift_verify_attention"]``,
-#: :data:`vllm_tokenswift.config.VERIFY_ATTENTION_OPT_IN_KEY`): at long context on CPU their decode
-#: steps then cost what TokenSwift's do, so a comparison measures the drafting, not vLLM's
-#: CPU attention; ``ar-vk`` (plain decoding, its one-token decode rows on the kernel)
+#: :data:`vllm_tokenswift.config.VERIFY_ATTENTION_OPT_IN_KEY`): at long context on CPU
+#: their decode steps then cost what TokenSwift's do, so a comparison measures the
+#: drafting, not vLLM's CPU attention; ``ar-vk`` (plain decoding, its one-token decode rows on the kernel)
 #: divided by ``ar`` is what the kernel alone buys. Name -> base method.
 VERIFY_KERNEL_METHODS: dict[str, str] = {"suffix-vk": "suffix", "ngram-vk": "ngram",
                                          "ngram-best-vk": "ngram-best", "ar-vk": "ar"}
