@@ -115,8 +115,8 @@ def assemble_gguf(parts: list[str], sha256: str | None, dest: Path) -> Path:
 
 def convert(gguf_path: Path, folder: Path) -> Path:
     """Dequantise with transformers' GGUF loader and save a float32 HF folder, model and
-    tokenizer (:func:`vllm_tokenswift.models.convert_gguf`, as ``--model smollm2`` does)."""
-    from vllm_tokenswift.models import convert_gguf
+    tokenizer (:func:`vllm_tokenswift.cli.models.convert_gguf`, as ``--model smollm2`` does)."""
+    from vllm_tokenswift.cli.models import convert_gguf
 
     convert_gguf(gguf_path, folder)
     return folder
@@ -201,7 +201,7 @@ def generate(model, prompts, gen_len: int, batch: int, seed: int, progress: bool
 def evaluate_sets(model_dir: Path, heads_dirs: dict, sets: dict, device, dtype, chunk: int) -> dict:
     import torch
 
-    from vllm_tokenswift.heads import load_heads, zero_heads
+    from vllm_tokenswift.core.heads import load_heads, zero_heads
     from vllm_tokenswift.training.evaluate import evaluate_heads
     from vllm_tokenswift.training.trainer import inspect_base_model, load_base_model
 

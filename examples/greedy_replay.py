@@ -7,9 +7,9 @@ drafts it proposes. Given that sequence (prompt + greedy output), this script re
 step by step:
 
 * **TokenSwift's n-gram path** with the proposer's own code: the request's
-  :class:`~vllm_tokenswift.ngram.NGramTable`, :func:`~vllm_tokenswift.chain.ngram_chain`,
-  the engine-wide :class:`~vllm_tokenswift.policy.Calibration`,
-  :func:`~vllm_tokenswift.policy.decide` (with its plain-step probe) and the policy's cut.
+  :class:`~vllm_tokenswift.core.ngram.NGramTable`, :func:`~vllm_tokenswift.core.chain.ngram_chain`,
+  the engine-wide :class:`~vllm_tokenswift.core.policy.decision.Calibration`,
+  :func:`~vllm_tokenswift.core.policy.decision.decide` (with its plain-step probe) and the policy's cut.
   The cost model is fixed (``--costs``) instead of learnt, and the forced exploration
   tries of the draft forward and the fused heads are left out (on SmolLM2's 6K greedy run
   they were 8 of 775 steps);
@@ -63,11 +63,11 @@ def replay_tokenswift(prompt: list[int], out: list[int], k: int, costs: dict,
         len(out) - 1``), draft tokens verified, drafts accepted, modelled milliseconds, and
         per output token the steps taken when it was generated (0 for the prefill's).
     """
-    from vllm_tokenswift import policy as pol
-    from vllm_tokenswift.chain import ngram_chain
-    from vllm_tokenswift.ngram import NGramTable
-    from vllm_tokenswift.drafting import NGRAM_FLOOR
-    from vllm_tokenswift.drafting_policy import calibration_keys as _calibration_keys
+    from vllm_tokenswift.core.policy import decision as pol
+    from vllm_tokenswift.core.chain import ngram_chain
+    from vllm_tokenswift.core.ngram import NGramTable
+    from vllm_tokenswift.core.chain import NGRAM_FLOOR
+    from vllm_tokenswift.core.policy.adaptive import calibration_keys as _calibration_keys
 
     seq = list(prompt) + list(out)
     table = NGramTable(4)
@@ -162,7 +162,7 @@ def _generate(path: str, n: int, prefix_len: int, num_prompts: int, bench_prompt
 
     from vllm_tokenswift.bench.harness import (book_prompts, build_prompts, effective_prefix_len, engine_output_to,
                                                 load_prompt_tokens, model_max_len)
-    from vllm_tokenswift.models import resolve_target
+    from vllm_tokenswift.cli.models import resolve_target
 
     model, _ = resolve_target(model_name)
     if bench_prompt:   # as the harness builds it: prefix capped to fit the window with n tokens

@@ -69,7 +69,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from vllm import LLM, SamplingParams
 
-    from vllm_tokenswift.models import fetch_model
+    from vllm_tokenswift.cli.models import fetch_model
 
     llm = LLM(model=str(fetch_model()), dtype="float32", max_model_len=args.prefix_len + args.new_tokens + 64,
               enforce_eager=True, kv_cache_memory_bytes=int(0.5 * (1 << 30)), enable_prefix_caching=False,

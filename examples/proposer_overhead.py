@@ -52,7 +52,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_tokenswift.models import resolve_target
+    from vllm_tokenswift.cli.models import resolve_target
 
     assets = os.path.join(os.path.dirname(vllm_tokenswift.__file__), "assets")
     model, heads = resolve_target(args.model or "tiny", args.heads)   # "smollm2", "tiny" or a folder

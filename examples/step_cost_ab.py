@@ -59,7 +59,7 @@ def _patch_fullpen(worker):
     import numpy as np
     import torch
 
-    import vllm_tokenswift.penalty as pen
+    import vllm_tokenswift.core.penalty as pen
     from vllm_tokenswift.plugin import window_state_class
 
     def window_tokens(prompt_row, output, window, vocab_size):   # the old O(output) version
@@ -106,7 +106,7 @@ def _print_ratios(runs: list[dict], modes: list[str], key: str, label: str, out)
 
 
 def _patch_nodraft(worker):
-    from vllm_tokenswift.drafting import Drafts
+    from vllm_tokenswift.engine.drafter import Drafts
 
     d = worker.model_runner.drafter
     d._draft = lambda runner, plan: Drafts()
@@ -145,7 +145,7 @@ def main() -> None:
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from vllm_tokenswift.models import resolve_target
+        from vllm_tokenswift.cli.models import resolve_target
 
         model, heads = resolve_target(args.model)
         try:

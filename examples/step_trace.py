@@ -226,7 +226,7 @@ def main() -> None:
     with engine_output_to(args.log) as (out, _err):
         from vllm import LLM, SamplingParams
 
-        from vllm_tokenswift.models import resolve_target
+        from vllm_tokenswift.cli.models import resolve_target
 
         model, heads = resolve_target(args.model)
         prompts = build_prompts(load_prompt_tokens(BenchConfig(model=model, prefix_len=args.prefix_len)),

@@ -29,7 +29,7 @@ KERNEL = "vllm_tokenswift/kernels/verify_attention.c"
 
 def build(source: str, out: str) -> ctypes.CDLL:
     """Compile ``source`` as the plugin compiles its kernel and load it."""
-    from vllm_tokenswift import verify_attention as va
+    from vllm_tokenswift.kernels import verify_attention as va
 
     subprocess.run([va._compiler(), *va.CFLAGS, "-o", out, source, "-lm"], check=True)
     return va.bind(ctypes.CDLL(out))
@@ -46,7 +46,7 @@ def main() -> None:
 
     import torch
 
-    from vllm_tokenswift import verify_attention as va
+    from vllm_tokenswift.kernels import verify_attention as va
     from vllm_tokenswift.bench.attention_op import synthetic_cache, vllm_attention
 
     torch.set_num_threads(1)

@@ -71,7 +71,7 @@ def run_pair(model: str, heads: str, tmp_extra: dict | None = None, ts_over: dic
     out = generate_modes(ts, prompts, modes, one_batch)
     from vllm import SamplingParams
 
-    from vllm_tokenswift.metrics import get_engine_stats
+    from vllm_tokenswift.engine.stats_rpc import get_engine_stats
 
     # finished requests are reported to the worker at the next step: run one more
     ts.generate(random_prompts([40], VOCAB, seed=9), SamplingParams(max_tokens=3, ignore_eos=True),

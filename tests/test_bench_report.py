@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_tokenswift import engine_helpers
+from vllm_tokenswift.cli import engine_helpers
 from vllm_tokenswift.bench import harness, report
 
 
@@ -311,7 +311,7 @@ def test_identical_to_ar():
 
 def test_new_variants_are_valid_plugin_settings():
     """The settings of every TokenSwift variant pass the plugin's own validation."""
-    from vllm_tokenswift.config import TokenSwiftConfig
+    from vllm_tokenswift.core.config import TokenSwiftConfig
 
     cfg = _cfg(heads=str(harness.TINY_HEADS))
     for m in harness.TOKENSWIFT_VARIANTS:
@@ -808,11 +808,12 @@ def test_summary_carries_the_step_breakdown_table(tmp_path):
 
 def test_empty_proposer_makes_the_drafter_return_no_drafts():
     """``empty_proposer`` (sent to workers by the examples' ``ts-empty`` mode) replaces the
-    drafter's proposal with one empty chain per sampled row; a worker without a drafter
+    drafter's proposal with one empty chain per batch row; a worker without a drafter
     raises AttributeError."""
-    drafter = SimpleNamespace(propose_with_runner=lambda *a, **k: [[1, 2], [3]])
+    drafter = SimpleNamespace(propose_step=lambda step: None)
     worker = SimpleNamespace(model_runner=SimpleNamespace(drafter=drafter))
     assert harness.empty_proposer(worker) is True
-    assert drafter.propose_with_runner(None, None, [[5], [6, 7], []]) == [[], [], []]
+    out = drafter.propose_step(SimpleNamespace(num_rows=3))
+    assert out.draft_token_ids == [[], [], []] and out.draft_probs is None
     with pytest.raises(AttributeError):
         harness.empty_proposer(SimpleNamespace(model_runner=SimpleNamespace()))

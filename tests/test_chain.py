@@ -2,8 +2,8 @@
 
 import pytest
 
-from vllm_tokenswift.chain import SOURCE_HEADS, SOURCE_NGRAM, score_chain, select_chain
-from vllm_tokenswift.ngram import NGramTable
+from vllm_tokenswift.core.chain import SOURCE_HEADS, SOURCE_NGRAM, score_chain, select_chain
+from vllm_tokenswift.core.ngram import NGramTable
 
 
 def probs_from(table):
@@ -66,7 +66,7 @@ def test_extension_stops_below_min_conf():
 
 
 def test_ngram_chain_for_adaptive_drafting():
-    from vllm_tokenswift.chain import ngram_chain
+    from vllm_tokenswift.core.chain import ngram_chain
 
     table = NGramTable(3)
     table.extend([5, 6, 7, 8] * 5)  # after (7, 8) always 5 (4 times), after (8, 5) always 6 (4), ...
@@ -88,7 +88,7 @@ def test_ngram_chain_takes_the_branch_the_long_context_took():
     followed by 9 — the chain copies that branch and goes on with what followed it; each
     confidence is the larger of the n-gram frequency and the long context's record,
     whose prior is the rate of all contexts of that length."""
-    from vllm_tokenswift.chain import ngram_chain
+    from vllm_tokenswift.core.chain import ngram_chain
 
     table = NGramTable(3, long_n=4)
     table.extend([7, 8, 3, 4, 5, 0, 7, 8, 3, 4, 5, 0, 1, 2, 3, 4, 9, 0, 1, 2, 3, 4])
@@ -110,7 +110,7 @@ def test_build_chain_extends_past_the_heads_along_the_long_context_branch():
     """The adaptive policy's chain builder extends the heads' chain with the same rule as
     the n-gram-only chains: the continuation of the last long_n tokens (here the branch
     9), not the most frequent 2-token continuation (5)."""
-    from vllm_tokenswift.chain import build_chain
+    from vllm_tokenswift.core.chain import build_chain
 
     table = NGramTable(3, long_n=4)
     table.extend([7, 8, 3, 4, 5, 0, 7, 8, 3, 4, 5, 0, 1, 2, 3, 4, 9, 0, 1, 2, 3])
@@ -132,7 +132,7 @@ def _reference_select_chain(context, tree, prob, table, ngram_topk, max_len, min
     scored separately, and the O(k²·n) back-off frequencies (the exhaustive definition)."""
     import itertools
 
-    from vllm_tokenswift.chain import Chain, extend_chain, within_frequencies
+    from vllm_tokenswift.core.chain import Chain, extend_chain, within_frequencies
 
     num_dists = len(tree)
     use_ng = table is not None and ngram_topk > 0

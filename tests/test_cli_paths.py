@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from vllm_tokenswift import models
-from vllm_tokenswift.assets_cli import DEMO_HEADS, DEMO_MODEL, PROMPTS_DIR, SMOLLM2_HEADS, TINY_HEADS, TINY_MODEL
+from vllm_tokenswift.cli import models
+from vllm_tokenswift.cli.assets import DEMO_HEADS, DEMO_MODEL, PROMPTS_DIR, SMOLLM2_HEADS, TINY_HEADS, TINY_MODEL
 
 
 def _run(*args):
@@ -68,7 +68,7 @@ def _parse(*argv):
 
 @pytest.mark.parametrize("command", ["generate", "demo"])
 def test_generate_and_demo_default_to_smollm2(command):
-    from vllm_tokenswift.generate import _resolve
+    from vllm_tokenswift.cli.generate import _resolve
 
     args = _parse(command)
     assert args.model == "smollm2" and args.heads is None
@@ -79,7 +79,7 @@ def test_generate_and_demo_default_to_smollm2(command):
 
 
 def test_generate_refuses_missing_heads_and_small_windows(tmp_path):
-    from vllm_tokenswift.generate import _resolve, _window
+    from vllm_tokenswift.cli.generate import _resolve, _window
 
     args = _parse("generate", "--model", "tiny", "--heads", str(tmp_path / "none"))
     with pytest.raises(SystemExit, match="holds no heads"):

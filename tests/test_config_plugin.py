@@ -6,21 +6,23 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_tokenswift import PROPOSER_CLASS_PATH, plugin
+from vllm_tokenswift import PROPOSER_CLASS_PATH, patches
+from vllm_tokenswift.compat import patching
 from vllm_tokenswift.compat import UnsupportedVLLMVersion, check_vllm_version, is_supported
-from vllm_tokenswift.config import (MAX_NGRAM_TOPK, MAX_TREE_PATHS, MAX_TREE_WIDTH, TokenSwiftConfig,
+from vllm_tokenswift.core.config import (MAX_NGRAM_TOPK, MAX_TREE_PATHS, MAX_TREE_WIDTH, TokenSwiftConfig,
                                     TokenSwiftConfigError)
 from vllm_tokenswift.patches import outputs as patch_outputs
 from vllm_tokenswift.patches import runner as patch_runner
-from vllm_tokenswift.plugin import (add_tokenswift_cli_args, apply_tokenswift_cli_args,
-                                    release_finished_states, translate_speculative_config)
+from vllm_tokenswift.patches.engine_args import (add_tokenswift_cli_args, apply_tokenswift_cli_args,
+                                                 translate_speculative_config)
+from vllm_tokenswift.patches.runner import release_finished_states
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _plugin_registered():
     # translate_speculative_config refuses to run unless the plugin's patches are
     # active in this process (fail closed), as they are in any vLLM process
-    plugin.register()
+    patches.register()
 
 
 def test_defaults_match_the_documented_ones():
@@ -127,7 +129,7 @@ def test_budget_checked_against_max_model_len():
 def test_head_count_rule_is_the_same_in_front_end_and_worker(tmp_path):
     import torch
 
-    from vllm_tokenswift.heads import DraftHeads, HeadsLoadError, inspect_heads, load_heads, save_heads
+    from vllm_tokenswift.core.heads import DraftHeads, HeadsLoadError, inspect_heads, load_heads, save_heads
 
     for n in (2, 3, 4):
         save_heads(DraftHeads(32, n), tmp_path / f"h{n}")
@@ -276,7 +278,6 @@ def test_draft_free_steps_take_the_plain_sampler():
     """``draft-free-sampling``: on TokenSwift engines a step with no draft tokens gives vLLM's
     ``_sample`` no spec-decode metadata (plain decoding's sampler); steps with drafts, and
     every step of other engines, keep the metadata (the rejection sampler)."""
-    from vllm_tokenswift import patches
 
     calls = []
 
@@ -284,8 +285,8 @@ def test_draft_free_steps_take_the_plain_sampler():
         calls.append(spec_decode_metadata)
         return "out"
 
-    patch = next(p for p in plugin.PATCHES if p.name == "draft-free-sampling")
-    assert patches.RECORDS[patch.name].status == "applied"
+    patch = next(p for p in patches.PATCHES if p.name == "draft-free-sampling")
+    assert patching.RECORDS[patch.name].status == "applied"
     sample = patch_runner._patch_draft_free_sampling({patch.targets[0].path: orig})[patch.targets[0].path]
     ts = SimpleNamespace(speculative_config=SimpleNamespace(method="custom_class", model=PROPOSER_CLASS_PATH))
     other = SimpleNamespace(speculative_config=SimpleNamespace(method="ngram", model=None))
@@ -305,10 +306,9 @@ def test_draft_ids_travel_with_the_step_output():
     steps) leave post_step to vLLM."""
     from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 
-    from vllm_tokenswift import patches
 
-    patch = next(p for p in plugin.PATCHES if p.name == "draft-ids-in-output")
-    assert patches.RECORDS[patch.name].status == "applied"
+    patch = next(p for p in patches.PATCHES if p.name == "draft-ids-in-output")
+    assert patching.RECORDS[patch.name].status == "applied"
     live_ids = ["a", "b"]
     calls = []
     out = ModelRunnerOutput(req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1})
@@ -367,7 +367,7 @@ def _engine_config(ts: dict | None, *, pp=1, tp=1, block=16, mml=4096, method="s
 
 
 def test_one_validation_for_front_end_and_worker():
-    from vllm_tokenswift.config import validate
+    from vllm_tokenswift.core.config import validate
 
     ok = {"kv_budget": 256, "use_heads": False}
     cfg = validate(_engine_config(ok))
@@ -388,7 +388,7 @@ def test_one_validation_for_front_end_and_worker():
 
 
 def test_finished_request_ids_are_finished_preempted_and_resumed():
-    from vllm_tokenswift.patches.common import finished_request_ids
+    from vllm_tokenswift.engine.step_input import finished_request_ids
 
     assert finished_request_ids(_sched_out(finished={"a"}, preempted={"b"}, resumed={"c"})) == {"a", "b", "c"}
     assert finished_request_ids(_sched_out()) == set()

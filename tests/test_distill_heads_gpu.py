@@ -65,7 +65,7 @@ def test_generate_samples_inside_the_windowed_penalty_and_min_p_support(distill)
 def test_smoke_run_writes_heads_that_load_and_an_evaluation(distill, tmp_path, monkeypatch):
     """`run --smoke`: a random 2-layer Llama, generation, 3 training steps and the evaluation of
     zero and new heads on both held-out sets; the heads load and fit the model."""
-    from vllm_tokenswift.heads import load_heads
+    from vllm_tokenswift.core.heads import load_heads
 
     out = tmp_path / "out"
     monkeypatch.setattr(sys, "argv", ["distill_heads_gpu.py", "run", "--smoke", "--out", str(out),
@@ -91,7 +91,7 @@ def test_prepare_cuts_seeded_prompts_and_heldout_windows(distill, tmp_path, monk
     """`prepare` with the demo model's tokenizer: N training prompts of P tokens from the first
     books, M held-out prompts and W windows per held-out book, all uint16 and the same for the
     same seed."""
-    from vllm_tokenswift.assets_cli import DEMO_MODEL
+    from vllm_tokenswift.cli.assets import DEMO_MODEL
 
     rng = np.random.default_rng(0)
     words = ["the", "house", "river", "walked", "slowly", "towards", "a", "light", "and", "she"]

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from vllm_tokenswift.assets_cli import SMOLLM2_HEADS
+from vllm_tokenswift.cli.assets import SMOLLM2_HEADS
 from vllm_tokenswift.compat import is_supported
-from vllm_tokenswift.config import TokenSwiftConfig
-from vllm_tokenswift.models import CACHE_ENV, model_dir
+from vllm_tokenswift.core.config import TokenSwiftConfig
+from vllm_tokenswift.cli.models import CACHE_ENV, model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"

@@ -23,7 +23,7 @@ VOCAB = 512
 def compiled_runs(tmp_path_factory):
     from vllm import SamplingParams
 
-    from vllm_tokenswift.metrics import get_engine_stats
+    from vllm_tokenswift.engine.stats_rpc import get_engine_stats
 
     d = tmp_path_factory.mktemp("compiled")
     model = str(build_tiny_model(d / "model", "llama", vocab_size=VOCAB, hidden_size=128, heads=4, kv_heads=2))

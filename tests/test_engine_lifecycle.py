@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 from engine_utils import make_llm, shutdown, spec_metrics
 
-from vllm_tokenswift.assets_cli import DEMO_HEADS, DEMO_MODEL, PROMPTS_DIR
+from vllm_tokenswift.cli.assets import DEMO_HEADS, DEMO_MODEL, PROMPTS_DIR
 
 pytestmark = pytest.mark.engine  # starts vLLM engines (not in ./scripts/test.sh --fast)
 
@@ -118,7 +118,7 @@ def test_mixed_batch_of_36_greedy_equal(book_tokens):
 def test_abort_preemption_and_max_model_len(book_tokens):
     from vllm import SamplingParams
 
-    from vllm_tokenswift.metrics import get_engine_stats
+    from vllm_tokenswift.engine.stats_rpc import get_engine_stats
 
     max_len = 1536
     # ~2,700 tokens of KV for 8 requests growing to 1,536 tokens each: preemption is certain

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 from engine_utils import shutdown
 
-from vllm_tokenswift.assets_cli import DEMO_HEADS, DEMO_MODEL, PROMPTS_DIR
+from vllm_tokenswift.cli.assets import DEMO_HEADS, DEMO_MODEL, PROMPTS_DIR
 
 pytestmark = pytest.mark.engine  # starts vLLM engines (not in ./scripts/test.sh --fast)
 
@@ -27,8 +27,8 @@ def runs():
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from vllm_tokenswift.metrics import get_engine_stats
-    from vllm_tokenswift.models import yarn_overrides
+    from vllm_tokenswift.engine.stats_rpc import get_engine_stats
+    from vllm_tokenswift.cli.models import yarn_overrides
 
     tok = AutoTokenizer.from_pretrained(str(DEMO_MODEL))
     # the bundled book openings, one after another (about 32K tokens)

@@ -116,7 +116,7 @@ def engines_run(tmp_path_factory):
     workload of this file in turn: the main samples, then the repetitive phrase (plain
     and cycle only). TokenSwift's counters are read after the main workloads and reset
     before the repetitive one, so each workload's figures are its own."""
-    from vllm_tokenswift.metrics import get_engine_stats
+    from vllm_tokenswift.engine.stats_rpc import get_engine_stats
 
     model, heads = _tiny_target(tmp_path_factory.mktemp("sampled"), seed=11)
     prompt = random_prompts([40], VOCAB, seed=3) * N

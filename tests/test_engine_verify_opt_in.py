@@ -5,7 +5,7 @@ equals plain decoding, and the kernel computed every verifying step's attention.
 The demo model (6 layers), a 1,536-token prompt whose second half repeats its first (so
 the n-gram proposer finds matches from the first step), 96 greedy tokens; plain decoding
 against ``{"method": "ngram", "num_speculative_tokens": 4}`` with the opt-in. Engine-free
-cases check who may opt in (:func:`vllm_tokenswift.cpu_attention.builder_settings`).
+cases check who may opt in (:func:`vllm_tokenswift.kernels.cpu_attention.builder_settings`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_tokenswift import cpu_attention as ca
-from vllm_tokenswift.assets_cli import DEMO_MODEL, PROMPTS_DIR
+from vllm_tokenswift.kernels import cpu_attention as ca
+from vllm_tokenswift.cli.assets import DEMO_MODEL, PROMPTS_DIR
 from vllm_tokenswift.bench import methods
-from vllm_tokenswift.config import VERIFY_ATTENTION_OPT_IN_KEY
+from vllm_tokenswift.core.config import VERIFY_ATTENTION_OPT_IN_KEY
 
 NEW = 96
 

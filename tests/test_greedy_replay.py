@@ -50,8 +50,8 @@ def test_a_position_estimated_below_the_cut_recovers_on_a_loop(replay, monkeypat
     per step or more). Without the observation (``observe_past_cut=False``, as the
     proposer's ``policy_tuning.observe_past_cut`` false; or ``Calibration.observe`` a
     no-op) the cut never moves: every step yields exactly 2 tokens."""
-    from vllm_tokenswift import policy as pol
-    from vllm_tokenswift.chain import SOURCE_NGRAM
+    from vllm_tokenswift.core.policy import decision as pol
+    from vllm_tokenswift.core.chain import SOURCE_NGRAM
 
     def seeded(k):
         c = pol.Calibration(positions=k)

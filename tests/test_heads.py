@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from vllm_tokenswift.heads import (DraftHeads, HeadsLoadError, export_tokenswift_layout, load_heads,
+from vllm_tokenswift.core.heads import (DraftHeads, HeadsLoadError, export_tokenswift_layout, load_heads,
                                    rms_norm, save_heads, zero_heads)
 
 H = 64

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_tokenswift.kv_view import (RequestView, ViewPlanner, block_importance, detect_key_layout,
-                                     keys_cpu_vec, keys_split_last)
+from vllm_tokenswift.core.kv_view import RequestView, ViewPlanner, block_importance
+from vllm_tokenswift.engine.kv_cache import detect_key_layout, keys_cpu_vec, keys_split_last
 
 BS = 32
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_tokenswift import models
-from vllm_tokenswift.models import GGUFSource, ModelFetchError
+from vllm_tokenswift.cli import models
+from vllm_tokenswift.cli.models import GGUFSource, ModelFetchError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -127,9 +127,9 @@ def test_bundled_heads_load_and_fit_the_model(smollm2):
     import torch
     import transformers
 
-    from vllm_tokenswift.assets_cli import SMOLLM2_HEADS
-    from vllm_tokenswift.config import TokenSwiftConfig
-    from vllm_tokenswift.heads import inspect_heads, load_heads
+    from vllm_tokenswift.cli.assets import SMOLLM2_HEADS
+    from vllm_tokenswift.core.config import TokenSwiftConfig
+    from vllm_tokenswift.core.heads import inspect_heads, load_heads
 
     cfg = json.loads((smollm2 / "config.json").read_text())
     info = inspect_heads(SMOLLM2_HEADS)

@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from vllm_tokenswift.ngram import NGramTable, _SortedByCount
+from vllm_tokenswift.core.ngram import NGramTable, _SortedByCount
 
 
 def brute_counts(tokens, n):
@@ -185,7 +185,7 @@ def test_ngram_chain_trusts_a_short_context_as_far_as_its_record_or_its_length_e
     recurred; a context seen once gets the rate of all contexts of its length in this
     request, so it drafts where short contexts were followed as before and stops at the
     floor where they were not."""
-    from vllm_tokenswift.chain import ngram_chain
+    from vllm_tokenswift.core.chain import ngram_chain
 
     t = NGramTable(4)
     t.extend([1, 2, 9, 5, 1, 2, 9, 6, 1, 2, 9])

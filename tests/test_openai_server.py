@@ -19,7 +19,7 @@ import pytest
 import requests
 from server_utils import metric_samples, metric_total, vllm_servers
 
-from vllm_tokenswift.assets_cli import DEMO_HEADS, DEMO_MODEL, PROMPTS_DIR
+from vllm_tokenswift.cli.assets import DEMO_HEADS, DEMO_MODEL, PROMPTS_DIR
 
 pytestmark = pytest.mark.engine  # starts vLLM servers (not in ./scripts/test.sh --fast)
 

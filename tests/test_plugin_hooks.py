@@ -10,14 +10,15 @@ import pytest
 import torch
 from tiny_models import build_random_heads, build_tiny_model
 
-from vllm_tokenswift import plugin
+from vllm_tokenswift import patches
+from vllm_tokenswift.core.config import is_tokenswift_spec
 
 
 @pytest.fixture(scope="module")
 def configs(tmp_path_factory):
     from vllm.engine.arg_utils import EngineArgs
 
-    plugin.register()
+    patches.register()
     d = tmp_path_factory.mktemp("hooks")
     model = str(build_tiny_model(d / "model", "llama", vocab_size=512, hidden_size=128, heads=4, kv_heads=2))
     heads = str(build_random_heads(d / "heads", 128))
@@ -58,7 +59,7 @@ def _build(cfg):
 
 def test_min_p_kept_and_warning_dropped_on_tokenswift_only(configs):
     kinds, warned, has_min_p = _build(configs["ts"])
-    assert plugin.is_tokenswift_spec(configs["ts"].speculative_config)
+    assert is_tokenswift_spec(configs["ts"].speculative_config)
     assert has_min_p and not warned and "PenaltyWindowState" in kinds
     # control: vLLM's own speculative method still gets vLLM's behaviour and warning
     kinds, warned, has_min_p = _build(configs["ngram"])

@@ -1,10 +1,10 @@
-"""Unit tests of the cost-aware drafting policy (``vllm_tokenswift.policy``), engine-free."""
+"""Unit tests of the cost-aware drafting policy (``vllm_tokenswift.core.policy.decision``), engine-free."""
 
 import numpy as np
 import pytest
 
-from vllm_tokenswift import estimates
-from vllm_tokenswift import policy as pol
+from vllm_tokenswift.core.policy import estimates
+from vllm_tokenswift.core.policy import decision as pol
 
 
 def costs(a=0.1, b=0.01, f0=0.08, f1=0.0, h0=0.015, h1=0.0):
@@ -635,16 +635,16 @@ def test_plain_shortcut_edge_cases():
 
 
 def test_a_view_selecting_draft_forward_is_not_observed_as_the_forwards_cost():
-    from vllm_tokenswift.drafting_policy import StepCosts
+    from vllm_tokenswift.core.step import Drafts, StepCosts
 
-    sel = StepCosts.of_drafting((0.100, 1), (0.002, 1), forward_selected=True)
+    sel = StepCosts.of_drafting(Drafts(forward=(0.100, 1), fused=(0.002, 1), forward_selected=True))
     assert sel.forward is None and sel.fused == (0.002, 1) and sel.step is None
-    clean = StepCosts.of_drafting((0.009, 1), None)
+    clean = StepCosts.of_drafting(Drafts(forward=(0.009, 1)))
     assert clean.forward == (0.009, 1) and clean.fused is None
     cm = pol.CostModel()
     for _ in range(16):
         cm.observe_step(0.042, rows=1, draft_tokens=0)
-    for costs in (sel, clean):           # as DraftingPolicy.account books them
+    for costs in (sel, clean):           # as AdaptivePolicy.account books them
         if costs.forward is not None:
             cm.observe_forward(*costs.forward)
     c = cm.costs()

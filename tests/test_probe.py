@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from vllm_tokenswift.bench import probe, segments
-from vllm_tokenswift.chain import SOURCE_HEADS, SOURCE_NGRAM, Chain
-from vllm_tokenswift.profiling import StepProfile, install_forward_timer
+from vllm_tokenswift.core.chain import SOURCE_HEADS, SOURCE_NGRAM, Chain
+from vllm_tokenswift.bench.profiler import StepProfile, StepProfiler, install
 
 
 def test_step_breakdown_splits_a_step_into_its_parts():
@@ -63,61 +63,110 @@ def test_probe_rejects_too_few_tokens_before_any_engine():
         probe.main(["--model", "tiny", "--tokens", "20", "--no-micro"])
 
 
-def test_step_profile_times_only_when_enabled():
-    off = StepProfile(enabled=False)
-    with off.timed("x"):
-        pass
-    assert off.snapshot() == {"enabled": False, "seconds": {}, "counts": {}}
-    on = StepProfile(enabled=True)
-    with on.timed("x"):
+def test_step_profile_sums_parts_and_counts():
+    prof = StepProfile()
+    with prof.timed("x"):
         sum(range(1000))
-    on.count("steps", 3)
-    snap = on.snapshot()
+    prof.count("steps", 3)
+    snap = prof.snapshot()
     assert snap["seconds"]["x"] > 0 and snap["counts"] == {"steps": 3}
-    on.reset()
-    assert on.snapshot()["seconds"] == {}
+    prof.reset()
+    assert prof.snapshot() == {"seconds": {}, "counts": {}}
 
 
-def test_forward_timer_books_draft_forwards_apart(monkeypatch):
-    from vllm_tokenswift import profiling
+class _Impl:
+    def __init__(self):
+        self.calls = 0
 
-    prof = StepProfile(enabled=True)
-    monkeypatch.setattr(profiling, "PROFILE", prof)
-    lin = torch.nn.Linear(4, 4)
-    hooks = install_forward_timer(lin)
-    assert len(hooks) == 2
-    lin(torch.zeros(1, 4))
-    prof.in_draft = True
-    lin(torch.zeros(1, 4))
-    lin(torch.zeros(1, 4))
-    assert set(prof.seconds) == {"forward", "draft_model"}
-    for h in hooks:
-        h.remove()
-    monkeypatch.setattr(profiling, "PROFILE", StepProfile(enabled=False))
-    assert install_forward_timer(lin) == []           # off: no hook, no slow call path
+    def forward(self, *a):
+        self.calls += 1
+        return "out"
+
+
+class _Runner:
+    """Just what :func:`profiler.install` wraps: a model, attention layers, ``_sample`` and
+    a drafter with its target."""
+
+    def __init__(self, with_drafter=True):
+        from types import SimpleNamespace
+
+        self.model = torch.nn.Linear(4, 4)
+        self.layer = SimpleNamespace(impl=_Impl())
+        self.vllm_config = SimpleNamespace(compilation_config=SimpleNamespace(
+            static_forward_context={"model.layers.0.attn": self.layer}))
+        target = SimpleNamespace(draft_forward=self._draft_forward)
+        self.drafter = SimpleNamespace(propose_step=lambda step: "proposal", target_access=target) \
+            if with_drafter else None
+
+    def _sample(self, logits, meta):
+        return "sampled"
+
+    def _draft_forward(self, *a):
+        self.layer.impl.forward()          # attention inside the draft forward
+        return self.model(torch.zeros(1, 4))
+
+
+def test_profiler_installs_timers_on_one_runner_only():
+    """The probe's worker extension wraps this runner's own objects: the model's forward,
+    every attention layer's impl, ``_sample`` (one step each) and the proposer with its draft
+    forward, whose model and attention calls are booked apart; nothing at class level."""
+    r = _Runner()
+    prof = StepProfile()
+    assert install(r, prof) == ["forward", "attention", "sample", "propose", "draft_forward"]
+    r.model(torch.zeros(1, 4))
+    r.layer.impl.forward()
+    assert r._sample(None, None) == "sampled" and r._sample(None, None) == "sampled"
+    assert r.drafter.propose_step(None) == "proposal"
+    r.drafter.target_access.draft_forward()
+    snap = prof.snapshot()
+    assert set(snap["seconds"]) == {"forward", "attention", "sample", "propose", "draft_forward", "draft_model",
+                                    "draft_attention"}
+    assert snap["counts"] == {"steps": 2, "draft_forwards": 1}
+    assert r.layer.impl.calls == 2
+    assert "forward" not in vars(r.model) and _Impl().forward.__func__ is _Impl.forward   # classes untouched
+    plain = _Runner(with_drafter=False)
+    assert install(plain, StepProfile()) == ["forward", "attention", "sample"]
+
+
+def test_worker_extension_installs_once_and_reports():
+    w = StepProfiler()
+    assert w.tokenswift_profile() == {"seconds": {}, "counts": {}}
+    w.model_runner = _Runner()
+    parts = w.tokenswift_profile_install()
+    assert parts == w.tokenswift_profile_install()        # idempotent: wrapped once
+    w.model_runner._sample(None, None)
+    assert w.tokenswift_profile()["counts"] == {"steps": 1}
 
 
 def test_probe_directive_and_chain_length():
-    from vllm_tokenswift.drafting_policy import probe_chain as _probe_chain
-    from vllm_tokenswift.policy import probe_directive
-    from vllm_tokenswift.request_state import RequestState as _RequestState
-    from vllm_tokenswift.request_state import Row as _Row
+    from types import SimpleNamespace
+
+    from vllm_tokenswift.bench.probe_policy import ProbePolicy, probe_directive
+    from vllm_tokenswift.core.config import TokenSwiftConfig
+    from vllm_tokenswift.core.request_state import RequestState
+    from vllm_tokenswift.core.step import FORWARD, NGRAM, Row
 
     assert probe_directive(None) == ("ngram", 0)
     assert probe_directive({"tokenswift_probe": {"kind": "forward", "drafts": 4}}) == ("forward", 4)
     for bad in ({"kind": "fused", "drafts": 1}, {"kind": "ngram", "drafts": -1}):
         with pytest.raises(ValueError, match="tokenswift_probe"):
             probe_directive({"tokenswift_probe": bad})
-    st = _RequestState(ngrams=None)
-    st.probe = ("ngram", 5)
-    row = _Row(0, "r", st, pos=10, room=8, context=[7, 8, 9])
-    ch = _probe_chain(Chain([1, 2], [SOURCE_NGRAM, SOURCE_NGRAM], 0.0, [0.9, 0.8]), row)
+    cfg = TokenSwiftConfig.parse({"use_heads": False, "policy": "vllm_tokenswift.bench.probe_policy:ProbePolicy"})
+    pol = ProbePolicy(cfg, 8)
+    st = RequestState(ngrams=None)
+    pol.on_new_request(st, SimpleNamespace(extra_args={"tokenswift_probe": {"kind": "ngram", "drafts": 5}}))
+    other = RequestState(ngrams=None)
+    pol.on_new_request(other, SimpleNamespace(extra_args={"tokenswift_probe": {"kind": "forward", "drafts": 2}}))
+    row = Row(0, "r", st, pos=10, room=8, context=[7, 8, 9])
+    plan = pol.plan([row, Row(1, "o", other, pos=3, room=8, context=[1])], 1, False)
+    assert plan.kinds == [NGRAM, FORWARD] and plan.threshold < 0 and not plan.any_forced
+    ch = pol.cut(plan, 0, Chain([1, 2], [SOURCE_NGRAM, SOURCE_NGRAM], 0.0, [0.9, 0.8])).chain
     assert ch.tokens == [1, 2, 9, 9, 9] and ch.sources == [SOURCE_NGRAM] * 5
     assert ch.confs == [0.9, 0.8, 0.0, 0.0, 0.0]
-    long = _probe_chain(Chain(list(range(8)), [SOURCE_HEADS] * 8, 0.0), row)   # confs empty (paper chains)
+    long = pol.cut(plan, 0, Chain(list(range(8)), [SOURCE_HEADS] * 8, 0.0)).chain   # confs empty (paper chains)
     assert long.tokens == [0, 1, 2, 3, 4] and len(long.confs) == 5
     row.room = 3
-    assert _probe_chain(None, row).tokens == [9, 9, 9]                        # capped by the room
+    assert pol.cut(plan, 0, Chain([], [], 0.0)).chain.tokens == [9, 9, 9]            # capped by the room
 
 
 def _snap(t, tokens, steps, drafts, accepted, ts=None):
@@ -194,7 +243,7 @@ def test_attention_microbench_rows():
 
 
 def test_ngram_table_entries_grow_with_distinct_text():
-    from vllm_tokenswift.ngram import NGramTable
+    from vllm_tokenswift.core.ngram import NGramTable
 
     t = NGramTable(4)
     t.extend([1, 2, 3, 4] * 50)
@@ -205,7 +254,7 @@ def test_ngram_table_entries_grow_with_distinct_text():
 
 
 def test_generate_report_prints_the_decode_phase_speedup():
-    from vllm_tokenswift.generate import print_report
+    from vllm_tokenswift.cli.generate import print_report
 
     res = {"prompt_tokens": 10, "num_tokens": 100, "ar_tokens_per_s": 10.0, "tokens_per_s": 12.0,
            "ar_wall_s": 10.0, "wall_s": 8.3, "ar_decode_tokens_per_s": 11.0, "decode_tokens_per_s": 16.5,
@@ -223,7 +272,7 @@ def _plugin_snapshot(stats, k, hist):
     d = stats.summary(k)
     d.update(key_layout="nhd", num_live_requests=1, policy="adaptive",
              prometheus_samples=[list(x) for x in stats.prometheus_samples()],
-             cost_model={"plain": 0.01, "verify_per_token": 0.002}, profile={},
+             cost_model={"plain": 0.01, "verify_per_token": 0.002},
              verify_attention={"calls": 3},
              memory={"history_tokens": hist, "ngram_entries": 2 * hist, "penalty_counts_bytes": 0,
                      "rss_bytes": 2**30})
@@ -234,7 +283,7 @@ def test_segments_from_real_plugin_snapshots():
     """The per-segment rows from snapshots shaped like the worker's real ``tokenswift_stats``
     (the 32K length sweep of 2026-12-03 lost its TokenSwift run to a TypeError on the
     ``prometheus_samples`` records)."""
-    from vllm_tokenswift.metrics import TokenSwiftStats
+    from vllm_tokenswift.core.stats import TokenSwiftStats
 
     stats = TokenSwiftStats()
     snaps = [_snap(0.0, 1, 1, 0, 0, _plugin_snapshot(stats, 4, 1))]
@@ -262,7 +311,8 @@ def test_probe_requests_carry_the_sampling_and_the_directive():
             self.params = []
 
         def collective_rpc(self, name):
-            return [{"profile": {"seconds": {}, "counts": {"steps": 3}}}]
+            assert name == "tokenswift_profile"
+            return [{"seconds": {}, "counts": {"steps": 3}}]
 
         def generate(self, prompts, sp, use_tqdm=False):
             self.params.append(sp)
@@ -309,7 +359,7 @@ def test_probe_checks_every_context_against_the_window_before_any_engine(tmp_pat
     # does not (plus 96 steps of up to 9 tokens: the default drafts go to 8): the whole invocation stops before the first
     # engine (it used to fail only when it reached that context, after the earlier ones ran)
     assert probe.probe_max_model_len(8192, 96, [0, 1, 2, 4]) == 8192 + 96 * 5 + 256
-    from vllm_tokenswift.models import resolve_target
+    from vllm_tokenswift.cli.models import resolve_target
 
     probe.check_windows(str(resolve_target("tiny", None)[0]), [8192, 16384], 2.0, 96, [0, 1, 2, 4])
     with pytest.raises(SystemExit, match=r"context 40960 .* needs 42080 positions, over the model's window 40960 \(YaRN x2\)"):

@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from vllm.v1.engine.exceptions import EngineDeadError  # a slow first import, done at collection
 
-from vllm_tokenswift.metrics import TokenSwiftStats
-from vllm_tokenswift.prometheus import (PREFIX, TokenSwiftCollector, TokenSwiftMetricsExporter,
+from vllm_tokenswift.core.stats import TokenSwiftStats
+from vllm_tokenswift.engine.prometheus import (PREFIX, TokenSwiftCollector, TokenSwiftMetricsExporter,
                                         interval_from_env, samples_from_rpc)
 
 
@@ -128,8 +128,8 @@ def test_multiprocess_mode_writes_max_gauges(tmp_path):
     # API server writes the engine's values, merged with max (the freshest)
     code = textwrap.dedent("""
         from prometheus_client import CollectorRegistry, generate_latest, multiprocess
-        from vllm_tokenswift.metrics import TokenSwiftStats
-        from vllm_tokenswift.prometheus import _MultiprocessSink
+        from vllm_tokenswift.core.stats import TokenSwiftStats
+        from vllm_tokenswift.engine.prometheus import _MultiprocessSink
         old, new = TokenSwiftStats(), TokenSwiftStats()
         old.accepted_ngram, new.accepted_ngram = 3, 9
         sink = _MultiprocessSink()

@@ -1,12 +1,16 @@
-"""Roofline projection (vllm_tokenswift.bench.roofline): hand-computed cases, monotonicity,
-paper sanity ranges and the CLI."""
+"""Roofline projection (docs/bench/roofline/roofline.py: research maths kept beside the docs, outside
+the plugin): hand-computed cases, monotonicity, paper sanity ranges and the CLI."""
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
-from vllm_tokenswift.bench import roofline as rl
+_DIR = Path(__file__).resolve().parent.parent / "docs" / "bench" / "roofline"
+sys.path.insert(0, str(_DIR))
+import roofline as rl  # noqa: E402  (docs/bench/roofline/roofline.py: research maths outside the plugin)
 
 # Toy model whose byte counts are easy to do by hand:
 #   layer params: q 4*4 + k 4*2 + v 4*2 + o 4*4 = 48, MLP 3*4*8 = 96, norms 2*4 = 8 -> 152
@@ -154,7 +158,7 @@ def test_invalid_inputs():
 def test_cli(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command")
-    from vllm_tokenswift.bench import roofline_cli
+    import roofline_cli
 
     roofline_cli.add_parser(sub)
     out = tmp_path / "p.json"

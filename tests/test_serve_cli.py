@@ -13,7 +13,7 @@ import sys
 import pytest
 from server_utils import serve_command
 
-from vllm_tokenswift.serve import installed_vllm_version, vllm_metadata_fallback
+from vllm_tokenswift.cli.serve import installed_vllm_version, vllm_metadata_fallback
 
 pytestmark = pytest.mark.engine  # runs vLLM in subprocesses (not in ./scripts/test.sh --fast)
 

@@ -14,14 +14,14 @@ from engine_utils import make_llm
 from server_utils import multiprocess_env, serve_command
 from tiny_models import build_random_heads, build_tiny_model, build_tiny_tokenizer
 
-from vllm_tokenswift import patches
-from vllm_tokenswift.config import TokenSwiftConfigError
-from vllm_tokenswift.patches import PatchRecord, TokenSwiftPatchError
+from vllm_tokenswift.compat import patching
+from vllm_tokenswift.core.config import TokenSwiftConfigError
+from vllm_tokenswift.compat.patching import PatchRecord, TokenSwiftPatchError
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from vllm_tokenswift.heads import DraftHeads, save_heads
+    from vllm_tokenswift.core.heads import DraftHeads, save_heads
 
     d = tmp_path_factory.mktemp("startup")
     model = build_tiny_model(d / "model", "llama", vocab_size=512, hidden_size=128, heads=4, kv_heads=2)
@@ -97,13 +97,13 @@ def test_more_heads_than_num_heads_start_and_generate(tiny):
 @pytest.fixture
 def broken_patch():
     """Pretend one required patch failed to apply in this (front-end) process."""
-    saved = patches.RECORDS.get("min-p-verification")
-    patches.RECORDS["min-p-verification"] = PatchRecord(
+    saved = patching.RECORDS.get("min-p-verification")
+    patching.RECORDS["min-p-verification"] = PatchRecord(
         "min-p-verification", "failed", "simulated: apply_sampling_constraints changed", True)
     try:
         yield
     finally:
-        patches.RECORDS["min-p-verification"] = saved
+        patching.RECORDS["min-p-verification"] = saved
 
 
 def test_missing_patch_refuses_tokenswift_only(tiny, broken_patch):

@@ -89,10 +89,10 @@ def _case():
 def _fake_views(bt, q, kv, rank: int | None, tp_size: int):
     """The proposer's draft views (``kv_view.DraftViews``) over a target with just what
     planning reads; ``rank=None``: all heads."""
-    from vllm_tokenswift.draft_forward import TargetAccess, tp_all_gather
-    from vllm_tokenswift.kv_view import DraftViews, ViewPlanner
-    from vllm_tokenswift.metrics import TokenSwiftStats
-    from vllm_tokenswift.request_state import RequestState
+    from vllm_tokenswift.engine.target import TargetAccess, tp_all_gather
+    from vllm_tokenswift.core.kv_view import DraftViews, ViewPlanner
+    from vllm_tokenswift.core.stats import TokenSwiftStats
+    from vllm_tokenswift.core.request_state import RequestState
 
     n = len(POSITIONS)
     hq = HQ // WORLD if rank is not None else HQ
@@ -148,8 +148,8 @@ def _rank_main(rank: int, init_file: str, ident: str, out_dir: str) -> None:
         from vllm.distributed import (get_tp_group, init_distributed_environment,
                                       initialize_model_parallel)
 
-        from vllm_tokenswift.kv_view import sum_over_ranks
-        from vllm_tokenswift.draft_forward import tp_all_gather as _tp_all_gather
+        from vllm_tokenswift.core.kv_view import sum_over_ranks
+        from vllm_tokenswift.engine.target import tp_all_gather as _tp_all_gather
 
         with set_current_vllm_config(VllmConfig()):
             init_distributed_environment(world_size=WORLD, rank=rank, local_rank=rank,
@@ -174,7 +174,7 @@ def _rank_main(rank: int, init_file: str, ident: str, out_dir: str) -> None:
 
 def _layout_consensus(kv, rank: int, fail_rank: int | None):
     """Run the proposer's key-layout detection on this rank's cache; ``fail_rank`` has no key."""
-    from vllm_tokenswift.draft_forward import TargetAccess
+    from vllm_tokenswift.engine.target import TargetAccess
 
     hkv = HKV // WORLD
     name = LAYER_NAMES[0]
@@ -234,7 +234,7 @@ def test_view_selection_is_rank_consistent(tmp_path):
 
 
 def test_sum_over_ranks_single_rank_is_identity():
-    from vllm_tokenswift.kv_view import sum_over_ranks
+    from vllm_tokenswift.core.kv_view import sum_over_ranks
 
     imps = [[np.arange(3, dtype=np.float32)], None, [np.zeros(0), np.ones(2)]]
     assert sum_over_ranks(imps, None) is imps

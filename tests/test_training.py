@@ -11,7 +11,7 @@ import torch
 
 import transformers  # noqa: E402  (a core dependency)
 
-from vllm_tokenswift.heads import DraftHeads, load_heads  # noqa: E402
+from vllm_tokenswift.core.heads import DraftHeads, load_heads  # noqa: E402
 from vllm_tokenswift.training import cli as tcli  # noqa: E402
 from vllm_tokenswift.training.data import (  # noqa: E402
     TrainHeadsError, build_sequences, iter_documents, load_token_sequences)
@@ -519,7 +519,7 @@ def test_eval_cli_resolves_model_names_and_yarn(capsys):
     rc = main(["eval-heads", "--model", "tiny", "--heads", "zero", "--data", str(CORPUS), "--seq-len", "64",
                "--max-docs", "2", "--yarn", "2", "--no-progress"])
     assert rc == 0
-    from vllm_tokenswift.models import resolve_target, yarn_overrides
+    from vllm_tokenswift.cli.models import resolve_target, yarn_overrides
     from vllm_tokenswift.training.trainer import inspect_base_model
 
     model, heads = resolve_target("tiny")

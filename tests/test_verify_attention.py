@@ -1,4 +1,4 @@
-"""The CPU verification-attention kernel (``vllm_tokenswift.verify_attention``) against
+"""The CPU verification-attention kernel (``vllm_tokenswift.kernels.verify_attention``) against
 its float64 definition and against vLLM's own CPU attention op, engine-free.
 
 Every case builds a paged cache in vLLM's "vec" layout with the request's blocks
@@ -15,7 +15,9 @@ import math
 import pytest
 import torch
 
-from vllm_tokenswift import verify_attention as va
+from vllm_tokenswift.kernels import build as kb
+from vllm_tokenswift.kernels import verify_attention as va
+
 
 def _case(seq_lens, q_lens, *, hq, hkv, d, bs, seed=0, extra_tokens=3, token_pad=0):
     """A batch: ``extra_tokens`` tokens of an unplanned request first, then the planned
@@ -164,7 +166,7 @@ def test_kernel_is_built_once_into_the_cache(tmp_path, monkeypatch):
     """A fresh cache folder gets one library, named by the source hash; loading again in
     the same process reuses it."""
     monkeypatch.setenv("VLLM_TOKENSWIFT_CACHE", str(tmp_path))
-    path = va.kernel_path()
+    path = kb.kernel_path()
     assert path.parent == tmp_path / "kernels" and not path.exists()
-    va._build(path)
+    kb._build(path)
     assert path.is_file() and [p.name for p in path.parent.iterdir()] == [path.name]

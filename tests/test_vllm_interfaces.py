@@ -14,16 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from vllm_tokenswift import patches, plugin
+from vllm_tokenswift import patches
+from vllm_tokenswift.compat import patching
 from vllm_tokenswift.compat import vllm_minor
-from vllm_tokenswift.patches import Target, check_source_target, check_target, source_minor
+from vllm_tokenswift.compat.patching import Target, check_source_target, check_target, source_minor
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _registered():
-    plugin.register()
+    patches.register()
 
 
 def _vllm_root() -> Path:
@@ -32,35 +33,35 @@ def _vllm_root() -> Path:
     return Path(vllm.__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("patch", plugin.PATCHES, ids=lambda p: p.name)
+@pytest.mark.parametrize("patch", patches.PATCHES, ids=lambda p: p.name)
 def test_patched_attributes_exist_with_expected_signatures(patch):
     problems = [pr for t in patch.targets for pr in check_target(t, patch.name)]
     problems += [pr for t in patch.reads for pr in check_target(t, None)]
     assert problems == []
-    rec = patches.RECORDS[patch.name]
+    rec = patching.RECORDS[patch.name]
     assert rec.status in ("applied", "not-needed"), rec
     if rec.status == "applied":
         for t in patch.targets:  # installed, marked, and the original kept
-            owner, name = patches._resolve_owner(t)
-            fn = patches._function_of(patches._raw(owner, name), t.kind)
-            assert patches.patch_of(fn) == patch.name
+            owner, name = patching._resolve_owner(t)
+            fn = patching._function_of(patching._raw(owner, name), t.kind)
+            assert patching.patch_of(fn) == patch.name
 
 
 def test_proposer_interfaces_exist_with_expected_signatures():
-    assert [pr for t in plugin.INTERFACES for pr in check_target(t)] == []
+    assert [pr for t in patches.INTERFACES for pr in check_target(t)] == []
 
 
 def test_every_tokenswift_patch_is_active_here():
-    assert plugin.runner_patch_active()
-    plugin.require_patches()
+    assert patches.runner_patch_active()
+    patches.require_patches()
     optional = {"api-server-metrics", "draft-free-sampling", "draft-ids-in-output", "cpu-verify-attention"}
-    assert set(plugin.required_patch_names()) == {p.name for p in plugin.PATCHES} - optional
+    assert set(patches.required_patch_names()) == {p.name for p in patches.PATCHES} - optional
 
 
 def test_static_checker_agrees_on_the_installed_sources():
     root = _vllm_root()
     assert source_minor(root) == "%d.%d" % vllm_minor()
-    targets = [t for p in plugin.PATCHES for t in p.targets + p.reads] + list(plugin.INTERFACES)
+    targets = [t for p in patches.PATCHES for t in p.targets + p.reads] + list(patches.INTERFACES)
     assert [pr for t in targets for pr in check_source_target(root, t)] == []
 
 
@@ -70,7 +71,7 @@ def test_static_checker_catches_a_changed_signature(tmp_path):
     (tmp_path / "vllm" / "v1" / "sample" / "rejection_sampler.py").write_text(
         "from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p\n")
     ops = tmp_path / "vllm" / "v1" / "sample" / "ops" / "topk_topp_sampler.py"
-    target = next(t for p in plugin.PATCHES for t in p.targets if t.path.endswith(":apply_top_k_top_p"))
+    target = next(t for p in patches.PATCHES for t in p.targets if t.path.endswith(":apply_top_k_top_p"))
     # 0.33 added has_topp_only_rows: the 0.32 signature in a 0.33 tree is a problem
     ops.write_text("def apply_top_k_top_p(logits, k, p):\n    return logits\n")
     assert "signature (logits, k, p) differs" in check_source_target(tmp_path, target)[0]
@@ -82,7 +83,7 @@ def test_static_checker_catches_a_changed_signature(tmp_path):
     assert "owner class missing" in check_source_target(tmp_path, new)[0]
 
 
-@pytest.mark.parametrize("patch", plugin.PATCHES, ids=lambda p: p.name)
+@pytest.mark.parametrize("patch", patches.PATCHES, ids=lambda p: p.name)
 def test_every_patch_is_documented(patch):
     for field in ("changes", "why", "upstream", "remove_when"):
         assert len(getattr(patch, field)) > 20, field

@@ -42,7 +42,7 @@ def build_tiny_model(out_dir: str | Path, arch: str = "llama", *, vocab_size: in
 
 def build_random_heads(out_dir: str | Path, hidden_size: int, seed: int = 1, scale: float = 0.05) -> Path:
     """Heads checkpoint with small random W_i (non-trivial, for exercising the path)."""
-    from vllm_tokenswift.heads import DraftHeads, save_heads
+    from vllm_tokenswift.core.heads import DraftHeads, save_heads
 
     torch.manual_seed(seed)
     heads = DraftHeads(hidden_size, 3)

@@ -77,7 +77,7 @@ def attention_microbench(contexts: Sequence[int], *, hq: int, hkv: int, d: int, 
     """
     import torch
 
-    from vllm_tokenswift import verify_attention as va
+    from vllm_tokenswift.kernels import verify_attention as va
 
     if layers < 1:
         raise ValueError(f"layers must be >= 1, got {layers}")

@@ -53,7 +53,7 @@ def name_json_arg(s: str) -> tuple[str, Any]:
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register the ``bench`` sub-command on an argparse ``subparsers`` object."""
     from vllm_tokenswift.bench import harness as h
-    from vllm_tokenswift.models import add_target_args
+    from vllm_tokenswift.cli.models import add_target_args
 
     p = subparsers.add_parser(
         "bench", help="benchmark AR / TokenSwift / n-gram / suffix decoding with vLLM offline",
@@ -236,10 +236,10 @@ def config_from_args(args: argparse.Namespace, fetch: bool = True):
     Raises:
         ValueError: a bad argument (unknown sampling, repeats < 1, bad --engine-arg,
             bad --yarn, a prefix that fills the window).
-        vllm_tokenswift.models.ModelFetchError: the model could not be converted.
+        vllm_tokenswift.cli.models.ModelFetchError: the model could not be converted.
     """
     from vllm_tokenswift.bench.harness import DEFAULT_KV_BUDGET, SAMPLING_PRESETS, BenchConfig, default_gen_lens
-    from vllm_tokenswift.models import model_window, resolve_target, yarn_overrides
+    from vllm_tokenswift.cli.models import model_window, resolve_target, yarn_overrides
 
     for s in args.sampling:
         if s not in SAMPLING_PRESETS:
@@ -285,7 +285,7 @@ def run_cli(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from vllm_tokenswift.bench import harness, report
-    from vllm_tokenswift.models import ModelFetchError
+    from vllm_tokenswift.cli.models import ModelFetchError
 
     try:
         cfg = config_from_args(args)

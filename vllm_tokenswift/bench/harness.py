@@ -20,7 +20,7 @@ run of its own round.
 Per timed run the harness records wall time, generated tokens, vLLM's
 speculative-decoding Prometheus counters (deltas of ``llm.get_metrics()`` taken
 before and after the run: the counters are cumulative), the TokenSwift plugin's
-own counters when available (:func:`vllm_tokenswift.metrics.get_engine_stats`),
+own counters when available (:func:`vllm_tokenswift.engine.stats_rpc.get_engine_stats`),
 Distinct-n of the outputs and, for greedy runs, whether the token ids equal the
 AR run's. :mod:`vllm_tokenswift.bench.report` turns the records into files.
 
@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence, TextIO
 
 from vllm_tokenswift.bench import report
 # re-exported: the benchmarks' names for them since before they moved
-from vllm_tokenswift.engine_helpers import (engine_output_to, plugin_stats_after,  # noqa: F401
+from vllm_tokenswift.cli.engine_helpers import (engine_output_to, plugin_stats_after,  # noqa: F401
                                              plugin_stats_before, teardown_engine)
 # re-exported: the benchmark's methods, settings and prompts moved to methods.py / prompts.py
 from vllm_tokenswift.bench.methods import (_PKG_DIR, ARCTIC_INSTALL_NOTE, CPU_GEN_LENS,  # noqa: F401
@@ -71,7 +71,7 @@ def build_engine(cfg: BenchConfig, spec: dict[str, Any] | None, max_model_len: i
     if spec:
         kw["speculative_config"] = spec
     if cfg.yarn:
-        from vllm_tokenswift.models import yarn_overrides
+        from vllm_tokenswift.cli.models import yarn_overrides
 
         kw["hf_overrides"] = yarn_overrides(cfg.model, cfg.yarn)
     kw.update(cfg.engine_kwargs)
@@ -87,8 +87,10 @@ def empty_proposer(worker: Any) -> bool:
 
     Returns True (collective_rpc's per-worker result). Raises AttributeError when the
     worker's model runner has no drafter (not a speculative engine)."""
+    from vllm_tokenswift.core.step import StepProposal
+
     drafter = worker.model_runner.drafter
-    drafter.propose_with_runner = lambda runner, scheduler_output, sampled, *a, **k: [[] for _ in sampled]
+    drafter.propose_step = lambda step: StepProposal([[] for _ in range(step.num_rows)])
     return True
 
 
@@ -104,7 +106,7 @@ def _spec_counters(llm: Any, collectors: list | None = None) -> dict[str, Any]:
 
 def snapshot(llm: Any, tokens: int, steps: int, is_ts: bool, collectors: list | None = None) -> dict:
     """The counters of a running engine after ``tokens`` output tokens and ``steps`` steps."""
-    from vllm_tokenswift.metrics import get_engine_stats
+    from vllm_tokenswift.engine.stats_rpc import get_engine_stats
 
     snap = {"t": time.perf_counter(), "tokens": int(tokens), "steps": int(steps),
             "spec": _spec_counters(llm, collectors), "plugin": None}

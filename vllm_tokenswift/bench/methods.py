@@ -14,11 +14,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from vllm_tokenswift.config import VERIFY_ATTENTION_OPT_IN_KEY
+from vllm_tokenswift.core.config import VERIFY_ATTENTION_OPT_IN_KEY
 
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-#: Default target: a model name resolved by :func:`vllm_tokenswift.models.resolve_target`
+#: Default target: a model name resolved by :func:`vllm_tokenswift.cli.models.resolve_target`
 #: (``smollm2``: SmolLM2-135M-Instruct + its heads; ``tiny``: the bundled demo model).
 DEFAULT_MODEL = "smollm2"
 #: The bundled 12.6M demo model and heads (``--model tiny``).
@@ -115,7 +115,7 @@ SUFFIX_CONFIG: dict[str, Any] = {"method": "suffix", "num_speculative_tokens": 8
 
 #: vLLM's model-free methods, and plain decoding, with the plugin's verification-attention
 #: kernel (``additional_config["tokenswift_verify_attention"]``,
-#: :data:`vllm_tokenswift.config.VERIFY_ATTENTION_OPT_IN_KEY`): at long context on CPU
+#: :data:`vllm_tokenswift.core.config.VERIFY_ATTENTION_OPT_IN_KEY`): at long context on CPU
 #: their decode steps then cost what TokenSwift's do, so a comparison measures the
 #: drafting, not vLLM's CPU attention; ``ar-vk`` (plain decoding, its one-token decode rows on the kernel)
 #: divided by ``ar`` is what the kernel alone buys. Name -> base method.
@@ -137,7 +137,7 @@ class BenchConfig:
         samplings: sampling preset names (:data:`SAMPLING_PRESETS`).
         repeats: timed runs per setting.
         out_dir: output folder.
-        model: target model folder (resolved; see :func:`vllm_tokenswift.models.resolve_target`).
+        model: target model folder (resolved; see :func:`vllm_tokenswift.cli.models.resolve_target`).
         heads: TokenSwift heads folder.
         tokenizer: tokenizer folder (default: the model's).
         prompt_files: ``.txt`` files (tokenized) or ``.json`` token-id lists.
@@ -162,7 +162,7 @@ class BenchConfig:
         save_tokens: also write each run's output token ids under ``out_dir/tokens``.
         engine_kwargs: extra ``vllm.LLM`` keyword arguments.
         yarn: extend the model's window this many times with YaRN rope scaling
-            (``hf_overrides``, :func:`vllm_tokenswift.models.yarn_overrides`); None: off.
+            (``hf_overrides``, :func:`vllm_tokenswift.cli.models.yarn_overrides`); None: off.
         segment_tokens: > 0: runs of one request take a snapshot of the counters every
             this many output tokens and record per-segment figures (``segments``; see
             :mod:`vllm_tokenswift.bench.segments`); 0: off.
@@ -308,7 +308,7 @@ def method_unavailable(method: str, spec: dict[str, Any] | None) -> str | None:
 def model_max_len(model_dir: str, yarn: float | None = None) -> int | None:
     """The model's window: ``max_position_embeddings`` from its config.json (× ``yarn``
     when the window is extended with YaRN), or None if unreadable."""
-    from vllm_tokenswift.models import model_window
+    from vllm_tokenswift.cli.models import model_window
 
     return model_window(model_dir, yarn)
 

@@ -2,8 +2,8 @@
 
 For each context length it prefills one book prefix (prefix caching on, so every later
 request over the same prompt skips the prefill) and times steps of one known shape
-(``policy="probe"``: every step of a request verifies exactly ``k`` draft tokens, or
-runs the draft forward; see ``TokenSwiftConfig.policy``):
+(the probe's own drafting policy, :mod:`vllm_tokenswift.bench.probe_policy`: every step of a
+request verifies exactly ``k`` draft tokens, or runs the draft forward):
 
 * the plain decode step (``k = 0``) and verifying steps with ``k`` = 1, 2, 4, 8 draft
   tokens, with the plugin's verification attention (``verify_attention="auto"``) and,
@@ -13,8 +13,8 @@ runs the draft forward; see ``TokenSwiftConfig.policy``):
 
 A shape's steps are those of a ``--tokens`` request minus those of a 16-token request
 of the same shape (:func:`decode_steps`), so the first step of each, which prefills the
-prompt's uncached tail, cancels out. Each is split with the worker's profile (:mod:`vllm_tokenswift.profiling`) into the
-attention layers, the rest of the target's forward, sampling / rejection sampling, the
+prompt's uncached tail, cancels out. Each is split with the worker's profile (the timers
+:mod:`vllm_tokenswift.bench.profiler` installs in the probe's engines only) into the attention layers, the rest of the target's forward, sampling / rejection sampling, the
 proposer (the draft forward included) and the remainder (scheduling, the engine-core
 round trip, input preparation, the LM head). Beside it, a micro-benchmark of the
 attention op alone (vLLM's ``cpu_attention_with_kv_cache`` and the plugin's kernel)
@@ -213,7 +213,7 @@ def history_tokens(n: int) -> list[int]:
     else the bundled book openings repeated (repeated text makes smaller n-gram tables)."""
     from transformers import AutoTokenizer
 
-    from vllm_tokenswift.assets_cli import DEMO_MODEL, PROMPTS_DIR
+    from vllm_tokenswift.cli.assets import DEMO_MODEL, PROMPTS_DIR
     from vllm_tokenswift.bench.harness import book_streams
 
     tok = AutoTokenizer.from_pretrained(str(DEMO_MODEL))
@@ -231,10 +231,10 @@ def step_work_bench(histories: Sequence[int] = STEP_WORK_HISTORIES, steps: int =
                     tokens: list[int] | None = None) -> list[dict]:
     """Microseconds per decode step of the proposer's per-request work after ``h`` tokens
     of history, for each ``h``: the n-gram table update (one new token), the n-gram chain
-    (:func:`~vllm_tokenswift.chain.ngram_chain`, 8 tokens), the penalty window's count
+    (:func:`~vllm_tokenswift.core.chain.ngram_chain`, 8 tokens), the penalty window's count
     update (one token in, one out, 1,024-token window, as the proposer keeps it), and the
-    policy (calibration of the chain, :func:`~vllm_tokenswift.policy.decide` for one row);
-    with the table's size (:meth:`~vllm_tokenswift.ngram.NGramTable.num_entries`) and the
+    policy (calibration of the chain, :func:`~vllm_tokenswift.core.policy.decision.decide` for one row);
+    with the table's size (:meth:`~vllm_tokenswift.core.ngram.NGramTable.num_entries`) and the
     Python memory it holds (``tracemalloc``, MB). Flat in ``h`` means a step at 100K tokens
     costs the proposer what it costs at 1K."""
     import tracemalloc
@@ -242,9 +242,9 @@ def step_work_bench(histories: Sequence[int] = STEP_WORK_HISTORIES, steps: int =
     import numpy as np
     import torch
 
-    from vllm_tokenswift import policy as pol
-    from vllm_tokenswift.chain import ngram_chain
-    from vllm_tokenswift.ngram import NGramTable
+    from vllm_tokenswift.core.policy import decision as pol
+    from vllm_tokenswift.core.chain import ngram_chain
+    from vllm_tokenswift.core.ngram import NGramTable
 
     need = max(histories) + steps + 1
     toks = tokens if tokens is not None else history_tokens(need)
@@ -321,19 +321,24 @@ def _run_shape(llm, prompt: list[int], directive: dict, max_tokens: int, samplin
     ``SamplingParams`` keyword arguments (None: greedy)."""
     from vllm import SamplingParams
 
-    from vllm_tokenswift.metrics import get_engine_stats
+    from vllm_tokenswift.bench.probe_policy import PROBE_KEY
 
-    before = (get_engine_stats(llm) or {}).get("profile")
+    before = worker_profile(llm)
     kw = dict(sampling or {"temperature": 0.0})
-    extra = dict(kw.pop("extra_args", None) or {}, tokenswift_probe=directive)
+    extra = dict(kw.pop("extra_args", None) or {}, **{PROBE_KEY: directive})
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra, **kw)
     t = time.perf_counter()
     llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
     wall = time.perf_counter() - t
-    after = (get_engine_stats(llm) or {}).get("profile") or {}
-    prof = profile_delta(before, after)
+    prof = profile_delta(before, worker_profile(llm))
     steps = int(prof["counts"].get("steps", 0))
     return {"wall_s": wall, "steps": steps, "profile": prof}
+
+
+def worker_profile(llm) -> dict:
+    """The first worker's profile sums (:class:`~vllm_tokenswift.bench.profiler.StepProfile`)."""
+    res = llm.collective_rpc("tokenswift_profile")
+    return res[0] if res else {"seconds": {}, "counts": {}}
 
 
 def probe_num_spec_tokens(drafts: Sequence[int]) -> int:
@@ -354,7 +359,7 @@ def check_windows(model: str, contexts: Sequence[int], yarn: float | None, token
     (:func:`probe_max_model_len`) does not fit the model's window with rope scaling ``yarn``
     (``original_max_position_embeddings × yarn``); called for every context before the first
     engine starts, so a long invocation does not fail after its first contexts."""
-    from vllm_tokenswift.models import model_window
+    from vllm_tokenswift.cli.models import model_window
 
     window = model_window(model, yarn)
     for c in contexts:
@@ -373,7 +378,9 @@ def probe_context(model: str, heads: str, context: int, *, yarn: float | None, d
     from vllm import LLM
 
     from vllm_tokenswift.bench.harness import teardown_engine
-    from vllm_tokenswift.models import yarn_overrides
+    from vllm_tokenswift.bench.probe_policy import POLICY as PROBE_POLICY
+    from vllm_tokenswift.bench.profiler import WORKER_EXTENSION
+    from vllm_tokenswift.cli.models import yarn_overrides
 
     prompt = _book_prompt(model, context)
     k = probe_num_spec_tokens(drafts)
@@ -392,17 +399,18 @@ def probe_context(model: str, heads: str, context: int, *, yarn: float | None, d
     for kernel, budget, verify in arms:
         spec = None if kernel == "ar" else {
             "method": "tokenswift", "model": heads, "num_speculative_tokens": k,
-            "tokenswift": {"kv_budget": budget, "policy": "probe",
+            "tokenswift": {"kv_budget": budget, "policy": PROBE_POLICY,
                            "verify_attention": "auto" if kernel == "plugin" else "vllm"}}
         kw = dict(model=model, dtype="float32", max_model_len=mml, enable_prefix_caching=True, seed=0,
                   enforce_eager=True, kv_cache_memory_bytes=int(kv_gb * 2**30), speculative_config=spec,
-                  disable_log_stats=False)
+                  disable_log_stats=False, worker_extension_cls=WORKER_EXTENSION)
         if yarn:
             kw["hf_overrides"] = yarn_overrides(model, yarn)
         if bar is not None:
             bar.set_postfix_str(f"{context:,}: {kernel} kernel, kv_budget {budget}: prefill")
         llm = LLM(**kw)
         try:
+            llm.collective_rpc("tokenswift_profile_install")
             _run_shape(llm, prompt, {"kind": "ngram", "drafts": 0}, 2)       # prefill, cached after
             shapes = [("plain" if d == 0 else f"verify {d}", {"kind": "ngram", "drafts": d}) for d in drafts] \
                 if verify else []
@@ -416,8 +424,6 @@ def probe_context(model: str, heads: str, context: int, *, yarn: float | None, d
                 _run_shape(llm, prompt, directive, 4, sampling)                # warm this shape
                 short = _run_shape(llm, prompt, directive, SHORT_TOKENS, sampling)
                 long = _run_shape(llm, prompt, directive, tokens, sampling)
-                if kernel == "ar":   # one token per step; its worker keeps no step counts
-                    short["steps"], long["steps"] = SHORT_TOKENS, tokens
                 res = decode_steps(short, long)
                 row = {"context": context, "shape": name, "kernel": kernel, "kv_budget": budget,
                        "drafts": directive["drafts"], "wall_s": res["wall_s"], "steps": res["steps"]}
@@ -434,7 +440,7 @@ def probe_context(model: str, heads: str, context: int, *, yarn: float | None, d
 
 
 def _kv_bytes_per_token(model: str) -> int:
-    from vllm_tokenswift.models import read_model_config
+    from vllm_tokenswift.cli.models import read_model_config
 
     cfg = read_model_config(model) or {}
     heads = int(cfg.get("num_attention_heads", 8))
@@ -446,7 +452,7 @@ def _kv_bytes_per_token(model: str) -> int:
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``probe`` on an argparse ``subparsers`` object."""
     from vllm_tokenswift.bench.cli import _ints
-    from vllm_tokenswift.models import add_target_args
+    from vllm_tokenswift.cli.models import add_target_args
 
     p = subparsers.add_parser("probe", help="cost of a decode step, a verifying step and the draft forward "
                                             "at long context, split by part, plus the attention op alone",
@@ -488,7 +494,7 @@ def run_cli(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from vllm_tokenswift.bench.harness import engine_output_to
-    from vllm_tokenswift.models import model_window, read_model_config, resolve_target
+    from vllm_tokenswift.cli.models import model_window, read_model_config, resolve_target
 
     if args.tokens <= 2 * SHORT_TOKENS:
         raise SystemExit(f"probe: --tokens must exceed {2 * SHORT_TOKENS} (the short request of "
@@ -535,10 +541,6 @@ def run_cli(args: argparse.Namespace) -> int:
         with open(os.path.join(args.out, "probe.json"), "w", encoding="utf-8") as f:
             json.dump({"meta": meta, "steps": rows, "attention_op": micro, "step_work": work}, f, indent=1)
 
-    os.environ.setdefault("VLLM_TOKENSWIFT_PROFILE", "1")   # the engines' worker processes
-    from vllm_tokenswift.profiling import PROFILE
-
-    PROFILE.enabled = True          # and this one, where engines run in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
     with engine_output_to(log) as (out, err):
         if not args.no_micro:
             print(f"attention op alone: {hq} query heads on {hkv} KV heads, head_dim {d}", file=out, flush=True)

@@ -57,7 +57,7 @@ from collections import defaultdict
 from typing import Any, Iterable
 
 # the counter helpers, re-exported: the report's public names since before they moved
-from vllm_tokenswift.counters import (  # noqa: F401
+from vllm_tokenswift.core.figures import (  # noqa: F401
     SPEC_COUNTERS, SPEC_PER_POS, STEP_KINDS, _sum_dicts, acceptance_from_counters, counter_delta,
     decision_mix_fractions, distinct_n, distinct_scores, format_decision_mix, spec_counters_from_collectors,
     spec_counters_from_metrics)

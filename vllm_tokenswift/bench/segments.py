@@ -22,7 +22,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Sequence
 
-from vllm_tokenswift import counters
+from vllm_tokenswift.core import figures as counters
 
 
 def _delta(a: dict | None, b: dict | None) -> dict:

@@ -22,8 +22,8 @@ def main(argv=None) -> int:
     p.add_argument("--source", help="check statically against an unpacked vLLM source tree "
                                     "(the folder that contains vllm/) instead of the installed vLLM")
     args = p.parse_args(argv)
-    from vllm_tokenswift import patches as reg
-    from vllm_tokenswift import plugin
+    from vllm_tokenswift import patches as plugin
+    from vllm_tokenswift.compat import patching as reg
 
     bad = 0
     if args.source:

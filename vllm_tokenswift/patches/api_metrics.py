@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import sys
 
-from vllm_tokenswift import patches
-from vllm_tokenswift.patches import Patch, Target
-from vllm_tokenswift.patches.common import _ENTRY, _V32, is_tokenswift_spec
+from vllm_tokenswift.compat import patching
+from vllm_tokenswift.compat.patching import Patch, Target
+from vllm_tokenswift.patches.common import _ENTRY, _V32
+from vllm_tokenswift.core.config import is_tokenswift_spec
 
 
 def _api_server_absent() -> str | None:
@@ -20,9 +21,9 @@ def _api_server_absent() -> str | None:
 def ensure_api_server_metrics() -> None:
     """Apply ``api-server-metrics`` if the API server module was imported after
     :func:`register` ran (front end of a TokenSwift engine only)."""
-    rec = patches.RECORDS.get("api-server-metrics")
+    rec = patching.RECORDS.get("api-server-metrics")
     if rec is not None and rec.status == "not-needed" and _api_server_absent() is None:
-        patches.apply(_API_METRICS)
+        patching.apply(_API_METRICS)
 
 
 def _patch_api_metrics(orig: dict) -> dict:
@@ -32,7 +33,7 @@ def _patch_api_metrics(orig: dict) -> dict:
         await orig_fn(engine_client, state, args, supported_tasks)
         vllm_config = getattr(engine_client, "vllm_config", None)
         if is_tokenswift_spec(getattr(vllm_config, "speculative_config", None)):
-            from vllm_tokenswift.prometheus import start_exporter
+            from vllm_tokenswift.engine.prometheus import start_exporter
 
             state.tokenswift_metrics = start_exporter(engine_client)
 

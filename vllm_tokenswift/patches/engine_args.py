@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 
 from vllm_tokenswift import PROPOSER_CLASS_PATH
-from vllm_tokenswift.patches import Patch, Target, require_declared
+from vllm_tokenswift.compat.patching import Patch, Target, require_declared
 from vllm_tokenswift.patches.api_metrics import ensure_api_server_metrics
-from vllm_tokenswift.patches.common import _ARGS, _V32, is_tokenswift_spec
+from vllm_tokenswift.patches.common import _ARGS, _V32
+from vllm_tokenswift.core.config import is_tokenswift_spec
 
 
 def translate_speculative_config(engine_args, model_config=None) -> None:
@@ -36,7 +37,7 @@ def translate_speculative_config(engine_args, model_config=None) -> None:
         TokenSwiftPatchError: a patch TokenSwift relies on is not active.
     """
     from vllm_tokenswift.compat import check_vllm_version
-    from vllm_tokenswift.config import (ADDITIONAL_CONFIG_KEY, TokenSwiftConfig,
+    from vllm_tokenswift.core.config import (ADDITIONAL_CONFIG_KEY, TokenSwiftConfig,
                                         check_pipeline_parallel, check_rejection_method)
 
     if getattr(engine_args, "spec_method", None) == "tokenswift":
@@ -76,7 +77,7 @@ def check_engine_config(vllm_config) -> None:
     """Check a finished TokenSwift ``VllmConfig`` in the front end, before any worker starts.
 
     Everything the worker would otherwise find out at start-up is checked here: the
-    patches, then :func:`vllm_tokenswift.config.validate` (the same validation the
+    patches, then :func:`vllm_tokenswift.core.config.validate` (the same validation the
     proposer runs in the worker: settings, verification method, pipeline and tensor
     parallelism, full attention, the budget against the resolved KV block size, the sink
     and ``max_model_len``, the heads), then ``VLLM_PLUGINS``.
@@ -86,7 +87,7 @@ def check_engine_config(vllm_config) -> None:
             largest) valid value.
         TokenSwiftPatchError: a patch TokenSwift relies on is not active.
     """
-    from vllm_tokenswift.config import TokenSwiftConfigError, validate
+    from vllm_tokenswift.core.config import TokenSwiftConfigError, validate
 
     require_declared()
     validate(vllm_config)

@@ -5,8 +5,9 @@ instead of a second RPC (``draft-ids-in-output``).
 
 from __future__ import annotations
 
-from vllm_tokenswift.patches import Patch, Target
-from vllm_tokenswift.patches.common import _CPU_RUNNER, _RUNNER, _V32, is_tokenswift_spec
+from vllm_tokenswift.compat.patching import Patch, Target
+from vllm_tokenswift.patches.common import _CPU_RUNNER, _RUNNER, _V32
+from vllm_tokenswift.core.config import is_tokenswift_spec
 
 
 # ------------------------------------------------------------------ draft-ids-in-output

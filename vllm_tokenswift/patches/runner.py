@@ -1,5 +1,5 @@
-"""Patches of vLLM's model runner and worker (``vllm.v1.worker``): the runner calls the
-proposer with its step context (``runner-propose``), frees the state of finished and
+"""Patches of vLLM's model runner and worker (``vllm.v1.worker``): the runner hands the
+proposer a typed step input (``runner-propose``), frees the state of finished and
 preempted requests every step (``runner-state-release``), reaches the worker's counters
 by RPC (``worker-stats-rpc``) and samples draft-free steps with the plain sampler
 (``draft-free-sampling``).
@@ -7,8 +7,10 @@ by RPC (``worker-stats-rpc``) and samples draft-free steps with the plain sample
 
 from __future__ import annotations
 
-from vllm_tokenswift.patches import Patch, Target
-from vllm_tokenswift.patches.common import _CPU_RUNNER, _RUNNER, _V32, finished_request_ids, is_tokenswift_spec
+from vllm_tokenswift.compat.patching import Patch, Target
+from vllm_tokenswift.patches.common import _CPU_RUNNER, _RUNNER, _V32
+from vllm_tokenswift.core.config import is_tokenswift_spec
+from vllm_tokenswift.engine.step_input import apply_proposal, build_step_input, finished_request_ids
 
 
 # ------------------------------------------------------------------ runner hooks
@@ -19,11 +21,12 @@ def _patch_runner_propose(orig: dict) -> dict:
                                 hidden_states, sample_hidden_states, aux_hidden_states,
                                 spec_decode_metadata, common_attn_metadata, slot_mappings):
         drafter = getattr(self, "drafter", None)
-        fn = getattr(drafter, "propose_with_runner", None)
+        fn = getattr(drafter, "propose_step", None)
         if fn is not None and is_tokenswift_spec(self.speculative_config):
             self._draft_probs = None
             self._draft_prob_req_ids = None
-            return fn(self, scheduler_output, sampled_token_ids, sampling_metadata)
+            step = build_step_input(self, scheduler_output, sampled_token_ids)
+            return apply_proposal(self, step, fn(step))
         return orig_fn(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                        sample_hidden_states, aux_hidden_states, spec_decode_metadata,
                        common_attn_metadata, slot_mappings)
@@ -59,7 +62,7 @@ def _patch_runner_states(orig: dict) -> dict:
 
 
 def _patch_worker(orig: dict) -> dict:
-    from vllm_tokenswift.metrics import worker_reset, worker_stats
+    from vllm_tokenswift.engine.stats_rpc import worker_reset, worker_stats
 
     def tokenswift_stats(self):
         return worker_stats(self)
@@ -77,15 +80,12 @@ def _patch_draft_free_sampling(orig: dict) -> dict:
     orig_fn = orig[f"{_RUNNER}:GPUModelRunner._sample"]
 
     def _sample(self, logits, spec_decode_metadata):
-        from vllm_tokenswift.profiling import PROFILE
-
-        with PROFILE.timed("sample"):
-            if (spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0
-                    and is_tokenswift_spec(self.speculative_config)):
-                # no request verifies a draft: the logits are one row per request, exactly
-                # plain decoding's, so plain decoding's sampler gives plain decoding's output
-                return orig_fn(self, logits, None)
-            return orig_fn(self, logits, spec_decode_metadata)
+        if (spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0
+                and is_tokenswift_spec(self.speculative_config)):
+            # no request verifies a draft: the logits are one row per request, exactly
+            # plain decoding's, so plain decoding's sampler gives plain decoding's output
+            return orig_fn(self, logits, None)
+        return orig_fn(self, logits, spec_decode_metadata)
 
     return {f"{_RUNNER}:GPUModelRunner._sample": _sample}
 
@@ -101,8 +101,10 @@ PATCHES: tuple[Patch, ...] = (
                          "spec_decode_metadata", "common_attn_metadata", "slot_mappings"),
                         (_CPU_RUNNER,)),),
         build=_patch_runner_propose,
-        changes="on TokenSwift engines, calls TokenSwiftProposer.propose_with_runner(runner, "
-                "scheduler_output, sampled, sampling_metadata) instead of custom_class's propose()",
+        changes="on TokenSwift engines, reads the step into a StepInput (engine/step_input.py: requests, "
+                "tokens sampled and verified, positions, sampling parameters, block table), calls "
+                "TokenSwiftProposer.propose_step(step) instead of custom_class's propose(), and sets the "
+                "runner's _draft_probs / _draft_prob_req_ids from the proposal",
         why="custom_class's propose() gets token ids only: no runner, attention metadata, block "
             "tables, KV cache or sampling metadata, all of which the draft forward needs",
         upstream="no richer custom_class interface in vLLM; no upstream issue filed from here",

@@ -10,8 +10,13 @@ import inspect
 import logging
 import threading
 
-from vllm_tokenswift.patches import Patch, Target
-from vllm_tokenswift.patches.common import _RS, _RUNNER, _SAMPLER, _V32, is_tokenswift_spec
+import numpy as np
+import torch
+
+from vllm_tokenswift.compat.patching import Patch, Target
+from vllm_tokenswift.patches.common import _RS, _RUNNER, _SAMPLER, _V32
+from vllm_tokenswift.core.config import is_tokenswift_spec
+from vllm_tokenswift.core.penalty import window_from_params
 
 _min_p_pending = threading.local()
 #: vLLM's logger that warns "min_p and logit_bias parameters won't work with
@@ -20,6 +25,83 @@ _LOGITSPROCS_LOGGER = "vllm.v1.sample.logits_processor"
 
 
 # ------------------------------------------------------------------ logits processors
+def _needs_rest(params, window: int) -> bool:
+    """Whether a request's penalties need vLLM's ``apply_all_penalties`` once its
+    windowed repetition penalty is applied (see :func:`apply_penalties_windowed`)."""
+    if params is None:
+        return True     # unknown parameters: never skip
+    if float(getattr(params, "presence_penalty", 0.0) or 0.0) != 0.0:
+        return True
+    if float(getattr(params, "frequency_penalty", 0.0) or 0.0) != 0.0:
+        return True
+    return window <= 0 and float(getattr(params, "repetition_penalty", 1.0) or 1.0) != 1.0
+
+
+def make_window_state_class():
+    """Build :class:`PenaltyWindowState` lazily (it subclasses a vLLM class)."""
+    from vllm.v1.sample.logits_processor.interface import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+    class PenaltyWindowState(LogitsProcessor):
+        """State-only logits processor: tracks each batch row's penalty window.
+
+        ``windows[row]`` is the request's ``repetition_penalty_window`` (0 = none).
+        ``apply`` returns the logits unchanged; the penalty itself is applied in
+        the patched ``apply_penalties`` (see module doc).
+        """
+
+        def __init__(self, vllm_config, device, is_pin_memory):
+            n = vllm_config.scheduler_config.max_num_seqs
+            self.windows = np.zeros(n, dtype=np.int64)
+            # rows whose penalties need vLLM's apply_all_penalties after the windowed
+            # repetition penalty: presence or frequency penalty, or a repetition
+            # penalty without a window
+            self.rest = np.zeros(n, dtype=bool)
+            self.batch_size = 0
+            self.count = 0
+
+        def is_argmax_invariant(self) -> bool:
+            return True  # never changes logits
+
+        def update_state(self, batch_update: BatchUpdate | None) -> None:
+            if not batch_update:
+                return
+            w, rest = self.windows, self.rest
+            for index in batch_update.removed:
+                w[index] = 0
+                rest[index] = False
+            for index, params, _, _ in batch_update.added:
+                w[index] = window_from_params(params)
+                rest[index] = _needs_rest(params, int(w[index]))
+            for a, b, direct in batch_update.moved:
+                if direct == MoveDirectionality.SWAP:
+                    w[a], w[b] = w[b], w[a]
+                    rest[a], rest[b] = rest[b], rest[a]
+                else:
+                    w[b], rest[b] = w[a], rest[a]
+                    w[a], rest[a] = 0, False
+            self.batch_size = batch_update.batch_size
+            self.count = int(np.count_nonzero(w[: self.batch_size]))
+
+        def row_windows(self, num_rows: int) -> list[int] | None:
+            """Windows of rows ``0..num_rows-1``, or None if no row has one."""
+            if not self.count:
+                return None
+            return self.windows[:num_rows].tolist()
+
+        def rest_needed(self, rows) -> bool:
+            """Whether any of these batch rows (``int`` = rows ``0..n-1``, or a list of
+            row indices) needs vLLM's own penalties after the windowed one: a presence
+            or frequency penalty, or a repetition penalty without a window."""
+            if isinstance(rows, int):
+                return bool(self.rest[:rows].any())
+            return bool(self.rest[np.asarray(rows, dtype=np.int64)].any()) if len(rows) else False
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            return logits
+
+    return PenaltyWindowState
+
+
 _window_cls = None
 
 
@@ -27,8 +109,6 @@ def window_state_class():
     """The (lazily built) ``PenaltyWindowState`` logits-processor class."""
     global _window_cls
     if _window_cls is None:
-        from vllm_tokenswift.penalty import make_window_state_class
-
         _window_cls = make_window_state_class()
     return _window_cls
 
@@ -87,7 +167,7 @@ def _find_proc(sampling_metadata, cls):
 def _patch_penalties(orig: dict) -> dict:
     import vllm.v1.sample.sampler as s_mod
 
-    from vllm_tokenswift.penalty import apply_penalties_windowed
+    from vllm_tokenswift.core.penalty import apply_penalties_windowed
 
     orig_s = orig[f"{_SAMPLER}:Sampler.apply_penalties"]
     orig_r = orig[f"{_RS}:RejectionSampler.apply_penalties"]
@@ -145,7 +225,7 @@ def _patch_min_p_verification(orig: dict) -> dict:
         mp = getattr(_min_p_pending, "value", None)
         if mp is None:
             return logits
-        from vllm_tokenswift.penalty import apply_min_p
+        from vllm_tokenswift.core.penalty import apply_min_p
 
         return apply_min_p(logits, mp)
 
@@ -191,15 +271,15 @@ def _patch_sampling_params(orig: dict) -> dict:
     def _validate_spec_decode(self, speculative_config):
         from vllm.exceptions import VLLMValidationError
 
-        from vllm_tokenswift import patches
-        from vllm_tokenswift.penalty import WINDOW_KEY, window_from_params
+        from vllm_tokenswift.compat import patching
+        from vllm_tokenswift.core.penalty import WINDOW_KEY, window_from_params
 
         try:
             window = window_from_params(self)
         except ValueError as e:
             raise VLLMValidationError(str(e), parameter=f"extra_args.{WINDOW_KEY}") from None
         if window:
-            bad = patches.missing(["windowed-penalty", "logits-processors"])
+            bad = patching.missing(["windowed-penalty", "logits-processors"])
             if bad:
                 raise VLLMValidationError(
                     f"extra_args.{WINDOW_KEY} is not available: the plugin's patch(es) "

@@ -6,7 +6,7 @@ Python API (imported lazily, so ``vllm-tokenswift --help`` stays fast)::
 
     res = train_heads("meta-llama/Llama-3.1-8B", "pg19_train.jsonl", "out/heads",
                       seq_len=8192, steps=200)
-    res.heads_dir  # -> load with vllm_tokenswift.heads.load_heads
+    res.heads_dir  # -> load with vllm_tokenswift.core.heads.load_heads
 
 Modules: ``data`` (corpus -> ``[N, L]`` token sequences; packing),
 ``trainer`` (:func:`train_heads`, chunked loss, checkpoints, metrics, plot),

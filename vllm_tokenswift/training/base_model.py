@@ -73,7 +73,7 @@ def inspect_base_model(model_path: str | os.PathLike, seq_len: int | None = None
     """Check a base model *before* loading its weights; return its HF config.
 
     Loads ``config.json`` only (plus ``config_overrides``, e.g. YaRN's from
-    :func:`vllm_tokenswift.models.yarn_overrides`), checks ``seq_len <=
+    :func:`vllm_tokenswift.cli.models.yarn_overrides`), checks ``seq_len <=
     max_position_embeddings``, and instantiates the architecture on the ``meta``
     device (no memory) to check :func:`check_base_structure`.
 

@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from vllm_tokenswift.models import add_target_args
+from vllm_tokenswift.cli.models import add_target_args
 
 _DATA_HELP = ("training text: JSON Lines file with a \"text\" field per line, a .txt file, or a folder "
               "of .txt files. Each document is cut to its first --seq-len tokens")
@@ -129,7 +129,7 @@ def _resolve(args: argparse.Namespace, want_heads: bool) -> dict | None:
     Raises:
         TrainHeadsError: the model cannot be fetched or YaRN does not apply.
     """
-    from vllm_tokenswift.models import ModelFetchError, resolve_target, yarn_overrides
+    from vllm_tokenswift.cli.models import ModelFetchError, resolve_target, yarn_overrides
     from vllm_tokenswift.training.data import TrainHeadsError
 
     try:
@@ -146,7 +146,7 @@ def _resolve(args: argparse.Namespace, want_heads: bool) -> dict | None:
 
 def run_train(args: argparse.Namespace) -> int:
     """Handler of ``train-heads``; returns the exit code (0 ok, 2 bad input, 130 interrupted)."""
-    from vllm_tokenswift.heads import HeadsLoadError
+    from vllm_tokenswift.core.heads import HeadsLoadError
     from vllm_tokenswift.training.data import TrainHeadsError
     from vllm_tokenswift.training.trainer import train_heads
 
@@ -188,7 +188,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 def run_eval(args: argparse.Namespace) -> int:
     """Handler of ``eval-heads``; returns the exit code (0 ok, 2 bad input)."""
-    from vllm_tokenswift.heads import HeadsLoadError, load_heads
+    from vllm_tokenswift.core.heads import HeadsLoadError, load_heads
     from vllm_tokenswift.training.data import TrainHeadsError, check_data_path, load_token_sequences
     from vllm_tokenswift.training.evaluate import evaluate_heads, format_report
     from vllm_tokenswift.training.trainer import (inspect_base_model, load_base_model, resolve_device,
@@ -204,7 +204,7 @@ def run_eval(args: argparse.Namespace) -> int:
                                      config_overrides=overrides)
         eps = float(getattr(config, "rms_norm_eps", 1e-6) or 1e-6)
         if args.heads == "zero":  # untrained heads: every head repeats the base prediction
-            from vllm_tokenswift.heads import zero_heads
+            from vllm_tokenswift.core.heads import zero_heads
 
             heads = zero_heads(model, args.num_heads, dtype=dt)
         else:

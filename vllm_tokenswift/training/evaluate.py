@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from vllm_tokenswift.heads import DraftHeads
+from vllm_tokenswift.core.heads import DraftHeads
 from vllm_tokenswift.training.trainer import base_hidden_states, check_base_structure
 
 CHAIN_NOTE = ("greedy chain [argmax l_0..l_3] from the hidden state at t computed with FULL attention "
@@ -51,7 +51,7 @@ def window_presence(ids: torch.Tensor, start: int, end: int, vocab_size: int, wi
 
     The history of position ``t`` is ``ids[max(0, t - window + 1) : t + 1]`` (the last
     ``window`` tokens up to and including ``t``; ``window <= 0``: all of ``ids[:t+1]``),
-    as the windowed penalty of :mod:`vllm_tokenswift.penalty` sees it when sampling the
+    as the windowed penalty of :mod:`vllm_tokenswift.core.penalty` sees it when sampling the
     token after ``t``.
 
     Args:

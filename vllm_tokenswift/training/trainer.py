@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from vllm_tokenswift.heads import DraftHeads, export_tokenswift_layout, save_heads, zero_heads
+from vllm_tokenswift.core.heads import DraftHeads, export_tokenswift_layout, save_heads, zero_heads
 from vllm_tokenswift.training.data import TrainHeadsError, check_data_path, load_token_sequences
 # re-exported: the base-model helpers moved to base_model.py
 from vllm_tokenswift.training.base_model import (_looks_like_hub_id, base_hidden_states,  # noqa: F401
@@ -380,7 +380,7 @@ def train_heads(model_path: str | os.PathLike, data: str | os.PathLike | torch.T
             ``"distill"`` (self-distillation: against the base model's own distribution
             of that token, see :func:`heads_loss`' ``distill_norm``).
         config_overrides: set on the base model's config before it is built (e.g. YaRN,
-            :func:`vllm_tokenswift.models.yarn_overrides`, to train at the extended window).
+            :func:`vllm_tokenswift.cli.models.yarn_overrides`, to train at the extended window).
         resume: continue from ``out_dir/checkpoint`` (settings must match the
             checkpoint's; a missing checkpoint starts a fresh run).
         overwrite: allow a fresh run in an ``out_dir`` that holds a checkpoint.

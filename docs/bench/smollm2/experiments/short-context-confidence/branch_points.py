@@ -19,7 +19,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import replay_match_levels as rml  # noqa: E402
 
-from vllm_tokenswift.ngram import NGramTable  # noqa: E402
+from vllm_tokenswift.core.ngram import NGramTable  # noqa: E402
 
 LEVELS = (8, 16, 32)
 

@@ -26,9 +26,9 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../../../.."
 spec = importlib.util.spec_from_file_location("gr", os.path.join(ROOT, "examples/greedy_replay.py"))
 gr = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gr)
-from vllm_tokenswift.chain import ngram_chain  # noqa: E402
-from vllm_tokenswift.ngram import NGramTable  # noqa: E402
-from vllm_tokenswift.drafting import NGRAM_FLOOR  # noqa: E402
+from vllm_tokenswift.core.chain import ngram_chain  # noqa: E402
+from vllm_tokenswift.core.ngram import NGramTable  # noqa: E402
+from vllm_tokenswift.engine.drafter import NGRAM_FLOOR  # noqa: E402
 
 
 def main():
@@ -38,7 +38,7 @@ def main():
     if show:
         from transformers import AutoTokenizer
 
-        from vllm_tokenswift.models import resolve_target
+        from vllm_tokenswift.cli.models import resolve_target
         tok = AutoTokenizer.from_pretrained(resolve_target("smollm2")[0])
     tot = collections.Counter()
     why = collections.Counter()

@@ -34,11 +34,11 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../../../.."
 spec = importlib.util.spec_from_file_location("gr", os.path.join(ROOT, "examples/greedy_replay.py"))
 gr = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gr)
-from vllm_tokenswift import policy as pol  # noqa: E402
-from vllm_tokenswift.chain import ngram_chain  # noqa: E402
-from vllm_tokenswift.ngram import NGramTable  # noqa: E402
-from vllm_tokenswift.drafting import NGRAM_FLOOR  # noqa: E402
-from vllm_tokenswift.drafting_policy import calibration_keys as _calibration_keys  # noqa: E402
+from vllm_tokenswift.core.policy import decision as pol  # noqa: E402
+from vllm_tokenswift.core.chain import ngram_chain  # noqa: E402
+from vllm_tokenswift.core.ngram import NGramTable  # noqa: E402
+from vllm_tokenswift.engine.drafter import NGRAM_FLOOR  # noqa: E402
+from vllm_tokenswift.core.policy.base import calibration_keys as _calibration_keys  # noqa: E402
 
 LEVEL_KEYS = {"L32": 20, "L16": 21, "L8": 22, "3g": 23, "S2": 24, "S1": 25, "?": 26}
 SUFFIX_CAP = {"3g": 3, "S2": 2, "S1": 1}

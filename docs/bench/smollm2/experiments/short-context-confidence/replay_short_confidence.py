@@ -19,8 +19,8 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../../../.."
 spec = importlib.util.spec_from_file_location("gr", os.path.join(ROOT, "examples/greedy_replay.py"))
 gr = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gr)
-from vllm_tokenswift import chain as C  # noqa: E402
-from vllm_tokenswift.ngram import NGramTable  # noqa: E402
+from vllm_tokenswift.core import chain as C  # noqa: E402
+from vllm_tokenswift.core.ngram import NGramTable  # noqa: E402
 
 ORIG_SHORT, ORIG_EXTEND = NGramTable.short_next, C.extend_chain
 SOURCE_SHORT = 3

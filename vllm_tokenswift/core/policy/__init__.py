@@ -1,0 +1,63 @@
+"""Drafting policies: what each request proposes, per engine step.
+
+The proposer reaches a policy through the interface of :class:`DraftingPolicy`
+(:mod:`~vllm_tokenswift.core.policy.base`: ``account``, ``plan``, ``cut``). The strategies the
+plugin ships, selected by ``"tokenswift": {"policy": NAME}``:
+
+* ``"adaptive"`` (default, :class:`~vllm_tokenswift.core.policy.adaptive.AdaptivePolicy`):
+  expected tokens per second from measured costs and acceptance
+  (:mod:`~vllm_tokenswift.core.policy.decision`, :mod:`~vllm_tokenswift.core.policy.estimates`);
+* ``"paper"`` (:class:`~vllm_tokenswift.core.policy.paper.PaperPolicy`): the draft forward
+  every step, chains whole;
+* ``"cycle"`` (:class:`~vllm_tokenswift.core.policy.adaptive.CyclePolicy`): every option in
+  turn (diagnostics and tests).
+
+Any other strategy is named by its class path, ``"package.module:Class"`` (a
+:class:`DraftingPolicy` subclass); :func:`policy_class` resolves names and paths in one place.
+
+Engine-free (numpy).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from vllm_tokenswift.core.config import TokenSwiftConfigError
+from vllm_tokenswift.core.policy.adaptive import AdaptivePolicy, CyclePolicy
+from vllm_tokenswift.core.policy.base import DraftingPolicy
+from vllm_tokenswift.core.policy.paper import PaperPolicy
+
+#: the built-in strategies by name (``config.BUILTIN_POLICIES`` lists the same names)
+POLICIES: dict[str, type[DraftingPolicy]] = {p.name: p for p in (AdaptivePolicy, PaperPolicy, CyclePolicy)}
+
+__all__ = ["POLICIES", "DraftingPolicy", "AdaptivePolicy", "PaperPolicy", "CyclePolicy", "policy_class",
+           "make_policy"]
+
+
+def policy_class(name: str) -> type[DraftingPolicy]:
+    """The strategy class ``"tokenswift": {"policy": name}`` selects: a built-in name or a
+    ``"package.module:Class"`` path.
+
+    Raises:
+        TokenSwiftConfigError: an unknown name, a path that does not import, or a class that
+            is not a :class:`DraftingPolicy` subclass.
+    """
+    if name in POLICIES:
+        return POLICIES[name]
+    mod, sep, attr = name.partition(":")
+    if not sep:
+        raise TokenSwiftConfigError(f"unknown drafting policy {name!r}: use one of {', '.join(POLICIES)} "
+                                    "or a 'package.module:Class' path")
+    try:
+        cls = getattr(importlib.import_module(mod), attr)
+    except (ImportError, AttributeError) as e:
+        raise TokenSwiftConfigError(f"drafting policy {name!r} cannot be imported: {e}") from None
+    if not (isinstance(cls, type) and issubclass(cls, DraftingPolicy)):
+        raise TokenSwiftConfigError(f"drafting policy {name!r} is not a subclass of "
+                                    "vllm_tokenswift.core.policy.DraftingPolicy")
+    return cls
+
+
+def make_policy(cfg, num_spec_tokens: int, tp_broadcast=None) -> DraftingPolicy:
+    """The engine's strategy instance for ``cfg.policy`` (:func:`policy_class`)."""
+    return policy_class(cfg.policy)(cfg, num_spec_tokens, tp_broadcast)

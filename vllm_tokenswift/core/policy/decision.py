@@ -1,0 +1,370 @@
+"""Cost-aware drafting policy: what to propose, per request and per engine step.
+
+The paper drafts with a forward of the target over the budgeted view every step.
+That forward reads all the weights again; on hardware where a decode step is
+bound by reading the weights it costs close to a plain step, and it only pays
+when the chain it buys is accepted often enough. This module decides, every
+step and for every request, which option maximises expected **generated tokens
+per second** of the whole batch, from costs and acceptance measured while the
+engine runs (an extension beyond the paper, which always drafts):
+
+* ``forward``: the TokenSwift draft forward over the budgeted view (``l_0..l_3``
+  plus n-grams; paper Sec 3.2-3.3);
+* ``fused``: no extra forward; the dependent heads are applied to the pre-norm
+  hidden state the *verification* forward already computed at the position
+  before the newest token (Medusa-style: head i predicts ``t+1+i`` from ``h_t``,
+  so head 1 drafts the token after the newest one), plus n-grams;
+* ``ngram``: the request's n-gram chain alone (no forward, no heads);
+* ``none``: no draft (a plain step for that request).
+
+and how long each chain is.
+
+**Cost model** (:class:`CostModel`). One engine step costs::
+
+    T = a + g·[D>0] + b·D + [any forward]·(f0 + f1·n_fwd) + [any fused]·(h0 + h1·n_fused)
+
+``a``: a step that verifies no draft tokens (the plain decode step of this batch,
+plus the proposer's own fixed work); ``g``: the fixed extra cost of a step that
+verifies any draft (vLLM's rejection sampler and spec-decode metadata instead of
+the plain sampler); ``b``: each verified draft token; ``D``: draft tokens in the
+batch; ``f0 + f1·n`` and ``h0 + h1·n``: the draft forward and the fused heads for
+``n`` rows. Each is a non-negative ridge least-squares fit over the last
+:attr:`CostModel.window` observations (wall-clock, from the proposer's timers),
+pulled towards priors expressed as fractions of ``a`` so that a fresh engine starts
+with sensible numbers. ``a`` and ``b`` follow context growth and batch-size changes
+because old observations leave the window. ``a`` and ``g`` can only be told apart
+when some steps verify no draft; when the window holds too few such steps and the
+plan's predicted gain over plain decoding is small, :func:`needs_plain_probe` asks
+for one plain step.
+
+**Acceptance** (:class:`AcceptanceModel`). Per option and per draft position j,
+the probability that draft j is accepted given that drafts ``0..j-1`` were
+(``reached``/``accepted`` counts with exponential decay), per request, shrunk
+towards the engine-wide figure of the request's group, greedy or sampled (a Beta-style prior of :attr:`prior_weight`
+pseudo-observations). Before the chain exists (deciding whether to run a
+forward) these per-position means predict the chain; once the chain exists, a
+per-token calibration (:class:`Calibration`: acceptance by source, position and
+the chain selector's own confidence bin) estimates each token.
+
+**Decision** (:func:`decide`). With ``cum_{r,j}`` the estimated probability that
+the first ``j+1`` drafts of request r are accepted, a step generates
+``R + Σ_{r,j} cum_{r,j}`` tokens in expectation. Maximising tokens per second
+``(R + Σ cum) / T`` over which drafts to include is a ratio problem whose optimum
+includes exactly the drafts with ``cum > b·θ*``, ``θ*`` the optimal throughput
+(Dinkelbach iteration; a few rounds converge). The fixed costs of the draft
+forward and the fused heads are decided by enumerating the on/off combinations,
+plus plain decoding (no drafts, no ``g``); each request then takes the option with
+the largest surplus
+``Σ_j max(0, cum_j − b·θ)``. The chain builder later cuts each chain where its
+per-token estimate drops to ``b·θ`` (:attr:`Decision.threshold`).
+
+Determinism: decisions depend on the token history (acceptance counts), the
+draft probabilities and the cost model's numbers. Under tensor parallelism the
+timings differ per rank, so the proposer broadcasts rank 0's cost model
+(:meth:`CostModel.state` / :meth:`CostModel.load_state`) every few steps and all
+ranks decide from the same numbers.
+
+The estimates live in :mod:`vllm_tokenswift.core.policy.estimates`; the proposer reaches all of this
+through one facade, :class:`vllm_tokenswift.core.policy.base.DraftingPolicy` (account / plan).
+
+Engine-free: numpy only.
+"""
+
+from __future__ import annotations
+
+import math
+from itertools import accumulate
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from vllm_tokenswift.core.config import MIN_GAIN as _MIN_GAIN
+
+# the running estimates the decision is made from (re-exported: ``policy.CostModel`` ...)
+from vllm_tokenswift.core.policy.estimates import (DRAFT_KINDS, FORWARD, FUSED, KINDS, NGRAM, NONE,  # noqa: F401
+                                       AcceptanceModel, Calibration, CostModel, DepthCounts, shrunk)
+
+
+
+# ============================================================== decision
+@dataclass
+class RowOptions:
+    """What one request could do this step: per available option, the estimated
+    ``cum_j`` (probability that its first j+1 drafts are accepted).
+
+    Attributes:
+        cums: option -> non-increasing array of ``cum_j`` (missing = unavailable).
+        forced: an option this request must take this step (exploration, the
+            ``"paper"``/``"cycle"`` policies), or None.
+    """
+
+    cums: dict
+    forced: str | None = None
+
+
+@dataclass
+class Decision:
+    """The policy's choice for one step.
+
+    Attributes:
+        kinds: per row, the option (``KINDS``).
+        lengths: per row, the planned chain length (0 for ``none``).
+        threshold: ``b·θ``: the chain builder cuts a chain where its estimated
+            cumulative acceptance falls to this value.
+        throughput: the expected tokens per second of the chosen plan (θ).
+        step_seconds: its expected step time.
+        expected_tokens: its expected generated tokens.
+        plain_probe: see below.
+    """
+
+    kinds: list
+    lengths: list
+    threshold: float
+    throughput: float
+    step_seconds: float
+    expected_tokens: float
+    #: the adaptive policy replaced the decision by a plain step to measure ``a`` apart
+    #: from ``g`` (:func:`needs_plain_probe`)
+    plain_probe: bool = False
+
+
+def _step_seconds(costs: dict, draft_tokens: int, n_fwd: int, n_fus: int) -> float:
+    """``T`` of the module doc for a plan with these counts."""
+    t = costs["a"] + costs["b"] * draft_tokens
+    if draft_tokens > 0:
+        t += costs.get("g", 0.0)
+    if n_fwd:
+        t += costs["f0"] + costs["f1"] * n_fwd
+    if n_fus:
+        t += costs["h0"] + costs["h1"] * n_fus
+    return t
+
+
+def _candidates(rows: Sequence[RowOptions]) -> list:
+    """Per row: ``(forced, [(kind, cum values, prefix sums), ...])`` over the draft options
+    it may take (its forced one only, when forced), as Python lists, built once per
+    :func:`decide` for all the combinations it tries."""
+    cands = []
+    for row in rows:
+        opts = [row.forced] if row.forced is not None else list(row.cums.keys())
+        lst = []
+        for kind in opts:
+            if kind == NONE or kind not in row.cums:
+                continue
+            vals = np.asarray(row.cums[kind], dtype=np.float64).tolist()   # Python floats
+            lst.append((kind, vals, [0.0, *accumulate(vals)]))
+        cands.append((row.forced is not None, lst))
+    return cands
+
+
+def _no_plan_beats(cands: list, costs: dict, theta0: float) -> bool:
+    """True only when no plan that drafts can exceed ``theta0`` tokens/s (a sufficient
+    test; always False when a row is forced, which must draft even at a loss).
+
+    Dinkelbach's test at ``θ0``: a plan beats ``θ0`` only if ``R + gain - θ0·T > 0``.
+    For the plans that may use the options of one fixed-cost combination (n-gram chains,
+    plus the draft forward and/or the fused heads with their fixed costs ``f0``/``h0``
+    charged, and ``g`` charged always: a plan without drafts gives ``R - θ0·a <= 0``
+    anyway), the largest value separates over the rows: each row adds the best of 0 and
+    its options' ``Σ_j max(0, cum_j - θ0·b)``, less ``θ0·f1`` (``θ0·h1``) for the
+    forward (fused heads). A plan that uses fewer options than its combination is
+    counted, with the right fixed costs, by the smaller combination. So when every
+    combination's value is at most 0, so is every plan's. O(rows × options × k)."""
+    if any(forced for forced, _lst in cands):
+        return False
+    a, b = costs["a"], costs["b"]
+    cut = b * theta0
+    tot = [0.0, 0.0, 0.0, 0.0]      # {ngram}, {ngram, forward}, {ngram, fused}, all
+    has_fwd = has_fus = False
+    for _forced, lst in cands:
+        s_ng = s_fw = s_fu = 0.0
+        for kind, vals, _pre in lst:
+            sur = 0.0
+            for v in vals:
+                if v > cut:
+                    sur += v - cut
+            if kind == NGRAM:
+                s_ng = sur
+            elif kind == FORWARD:
+                has_fwd = True
+                s_fw = sur - theta0 * costs["f1"]
+            elif kind == FUSED:
+                has_fus = True
+                s_fu = sur - theta0 * costs["h1"]
+        tot[0] += s_ng
+        tot[1] += max(s_ng, s_fw)
+        tot[2] += max(s_ng, s_fu)
+        tot[3] += max(s_ng, s_fw, s_fu)
+    R = len(cands)
+    base = a + costs.get("g", 0.0)
+    values = [R - theta0 * base + tot[0]]
+    if has_fwd:
+        values.append(R - theta0 * (base + costs["f0"]) + tot[1])
+    if has_fus:
+        values.append(R - theta0 * (base + costs["h0"]) + tot[2])
+    if has_fwd and has_fus:
+        values.append(R - theta0 * (base + costs["f0"] + costs["h0"]) + tot[3])
+    return max(values) < -1e-9 * R
+
+
+def _plan(cands: list, allowed: set, costs: dict, iters: int = 6):
+    """Best plan when only ``allowed`` options exist: Dinkelbach on the throughput.
+
+    ``cands``: :func:`_candidates` of the rows. Every Dinkelbach round costs
+    O(rows × options × k) float comparisons: an option's surplus at cut ``c`` is
+    ``Σ_j max(0, cum_j - c)`` over its prefix of drafts with ``cum_j > c`` (``cum`` is
+    non-increasing). Done with numpy on arrays of at most k values, :func:`decide` took
+    4x longer at 8 rows (0.36 against 0.09 ms)."""
+    R = len(cands)
+    b = costs["b"]
+    theta = R / costs["a"]  # plain decoding's throughput as the first guess
+    kinds = [NONE] * R
+    lens = [0] * R
+    t = costs["a"]
+    gain = 0.0
+    for _ in range(iters):
+        cut = b * theta
+        gain = 0.0
+        ntok = 0
+        n_fwd = n_fus = 0
+        for i, (forced, lst) in enumerate(cands):
+            best, best_s, best_k, best_gain = NONE, 0.0, 0, 0.0
+            for kind, vals, pre in lst:
+                if kind not in allowed:
+                    continue
+                k = 0
+                for v in vals:             # non-increasing: the drafts worth more than the cut
+                    if not v > cut:
+                        break
+                    k += 1
+                if forced:
+                    k = max(k, 1) if vals else 0   # a forced option drafts at least one token
+                    s = pre[k] - cut * k + 1e9
+                else:
+                    s = pre[k] - cut * k
+                if s > best_s:
+                    best, best_s, best_k, best_gain = kind, s, k, pre[k]
+            kinds[i], lens[i] = best, best_k
+            gain += best_gain
+            ntok += best_k
+            n_fwd += best == FORWARD
+            n_fus += best == FUSED
+        t = _step_seconds(costs, ntok, n_fwd, n_fus)
+        new_theta = (R + gain) / t
+        if abs(new_theta - theta) <= 1e-9 * max(theta, 1e-12):
+            theta = new_theta
+            break
+        theta = new_theta
+    return theta, list(kinds), list(lens), t, R + gain
+
+
+def plain_decision(rows: Sequence[RowOptions], costs: dict) -> Decision:
+    """Plain decoding for every request: no drafts, step time ``a``, ``R/a`` tokens/s."""
+    R = len(rows)
+    a = costs["a"]
+    return Decision([NONE] * R, [0] * R, costs["b"] * R / a, R / a, a, float(R))
+
+
+#: Relative margin by which a drafting plan's predicted throughput must beat plain
+#: decoding's before :func:`decide` takes it on its own (``config.MIN_GAIN``, the winner's
+#: curse of noisy estimates).
+MIN_GAIN = _MIN_GAIN
+
+#: the fixed-cost combinations :func:`decide` enumerates (``{NONE}``: plain decoding)
+_COMBOS = (frozenset({NONE}), frozenset({NGRAM, NONE}), frozenset({NGRAM, NONE, FORWARD}),
+           frozenset({NGRAM, NONE, FUSED}), frozenset({NGRAM, NONE, FORWARD, FUSED}))
+
+
+def decide(rows: Sequence[RowOptions], costs: dict, min_gain: float = MIN_GAIN) -> Decision:
+    """Choose every request's option and chain length to maximise expected tokens/s.
+
+    Enumerates plain decoding and the fixed-cost options (draft forward on/off ×
+    fused heads on/off, n-gram chains always allowed); for each, finds the best plan
+    (see module doc) and keeps the best throughput. A plan that switches the forward
+    on but gives it no row is the same as the plan without it, so it is never
+    preferred; a plan that drafts pays ``g`` once, so plain decoding wins when the
+    expected accepted tokens do not cover it. Combinations that do not allow a
+    request's forced option are skipped. Plain decoding, when allowed, also wins
+    unless the best drafting plan beats it by more than ``min_gain`` (relative).
+    When no drafting plan can beat that margin (:func:`_no_plan_beats`), plain
+    decoding is returned without planning (the same decision, found in
+    O(rows × options × k): most steps of a sampled request end here).
+
+    Args:
+        rows: per request (batch order), its :class:`RowOptions`.
+        costs: :meth:`CostModel.costs` (``g`` may be absent: 0).
+        min_gain: margin over plain decoding a drafting plan needs (see
+            :data:`MIN_GAIN`; 0: pure expected-throughput maximisation).
+    Returns:
+        :class:`Decision`.
+    """
+    if not rows:
+        return Decision([], [], 0.0, 0.0, 0.0, 0.0)
+    forced_kinds = {r.forced for r in rows if r.forced is not None}
+    cands = _candidates(rows)
+    margin = 1 + max(0.0, min_gain)
+    if _no_plan_beats(cands, costs, margin * len(rows) / costs["a"]):   # False with forced rows
+        return plain_decision(rows, costs)
+    best = plain = None
+    for allowed in _COMBOS:
+        if not forced_kinds <= allowed:
+            continue
+        if allowed == {NONE}:
+            d = plain_decision(rows, costs)
+            plain = (d.throughput, d.kinds, d.lengths, d.step_seconds, d.expected_tokens)
+            continue
+        plan = _plan(cands, allowed, costs)
+        if best is None or plan[0] > best[0] * (1 + 1e-12):
+            best = plan
+    if plain is not None and (best is None or not any(best[2])
+                              or best[0] <= plain[0] * margin):
+        best = plain
+    theta, kinds, lens, t, tokens = best
+    return Decision(kinds, lens, costs["b"] * theta, theta, t, tokens)
+
+
+def needs_plain_probe(decision: Decision, rows: Sequence[RowOptions], costs: dict,
+                      plain_obs: int, min_plain: int = 4, margin: float = 1.3) -> bool:
+    """Whether to run a plain step instead of ``decision`` to measure ``a`` apart from ``g``.
+
+    When every recent step verified drafts, the step fit only knows ``a + g`` and
+    falls back on the prior for the split; a wrong split biases every later choice
+    between drafting and plain decoding. A probe is worth its cost only when the
+    choice is close: the decision drafts, no request is forced to draft
+    (exploration), fewer than ``min_plain`` plain steps are in the cost model's window
+    and the plan's predicted throughput is below ``margin`` × plain decoding's.
+
+    Args:
+        decision: :func:`decide`'s choice for this step.
+        rows: the same rows.
+        costs: the same costs.
+        plain_obs: :meth:`CostModel.plain_observations`.
+    Returns:
+        True: take :func:`plain_decision` this step.
+    """
+    if not rows or not any(decision.lengths) or any(r.forced is not None for r in rows):
+        return False
+    if plain_obs >= min_plain:
+        return False
+    return decision.throughput < margin * len(rows) / costs["a"]
+
+
+def expected_tokens_per_second(cums: Sequence[np.ndarray], costs: dict, *, forward_rows: int = 0,
+                               fused_rows: int = 0) -> float:
+    """``(R + Σ cum) / T`` for given chains (``D`` = their total length, ``T`` as in the
+    module doc); the arithmetic :func:`decide` maximises, exposed for reports and tests."""
+    R = len(cums)
+    D = sum(len(c) for c in cums)
+    t = _step_seconds(costs, D, forward_rows, fused_rows)
+    return (R + float(sum(float(np.sum(c)) for c in cums))) / t
+
+
+def cut_length(cum: Sequence[float], threshold: float) -> int:
+    """Longest prefix whose cumulative estimates all exceed ``threshold`` (at least 0)."""
+    k = 0
+    for c in cum:
+        if c <= threshold or not math.isfinite(c):
+            break
+        k += 1
+    return k
