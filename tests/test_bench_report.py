@@ -807,9 +807,9 @@ def test_summary_carries_the_step_breakdown_table(tmp_path):
 
 
 def test_empty_proposer_makes_the_drafter_return_no_drafts():
-    """``empty_proposer`` (sent to workers by the examples' ``ts-empty`` mode) replaces the
-    drafter's proposal with one empty chain per batch row; a worker without a drafter
-    raises AttributeError."""
+    """``empty_proposer`` (sent to workers by the research scripts' ``ts-empty`` mode)
+    replaces the drafter's proposal with one empty chain per batch row; a worker without a
+    drafter raises AttributeError."""
     drafter = SimpleNamespace(propose_step=lambda step: None)
     worker = SimpleNamespace(model_runner=SimpleNamespace(drafter=drafter))
     assert harness.empty_proposer(worker) is True

@@ -1,4 +1,4 @@
-"""examples/distill_heads_gpu.py: the self-distillation run of the bundled SmolLM2 heads, on CPU
+"""docs/research/distill_heads_gpu.py: the self-distillation run of the bundled SmolLM2 heads, on CPU
 with tiny models (the real run needs the GPU machine)."""
 
 import json
@@ -7,14 +7,14 @@ import sys
 import numpy as np
 import pytest
 import torch
-from example_utils import load_example
+from research_utils import load_research
 
 from vllm_tokenswift.training.evaluate import SamplingSpec, sampling_probs, window_presence
 
 
 @pytest.fixture(scope="module")
 def distill():
-    return load_example("distill_heads_gpu")
+    return load_research("distill_heads_gpu")
 
 
 def _tiny_llama(vocab=64, seed=0):

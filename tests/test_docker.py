@@ -8,6 +8,7 @@ the extra cannot pass silently.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
@@ -15,12 +16,14 @@ import subprocess
 import sys
 import sysconfig
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
 from vllm_tokenswift.cli.assets import SMOLLM2_HEADS
 from vllm_tokenswift.compat import is_supported
 from vllm_tokenswift.core.config import TokenSwiftConfig
+from vllm_tokenswift.kernels import build as kb
 from vllm_tokenswift.cli.models import CACHE_ENV, model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,6 +87,17 @@ def instructions(path: Path) -> list[tuple[str, str]]:
 
 def only(instrs: list[tuple[str, str]], kw: str) -> list[str]:
     return [rest for k, rest in instrs if k == kw]
+
+
+def stages(path: Path) -> list[list[tuple[str, str]]]:
+    """The instructions of each build stage (each starts with its FROM), in order."""
+    out: list[list[tuple[str, str]]] = []
+    for kw, rest in instructions(path):
+        if kw == "FROM":
+            out.append([])
+        assert out, f"{path.name}: an instruction before the first FROM"
+        out[-1].append((kw, rest))
+    return out
 
 
 def exec_form(rest: str) -> list[str]:
@@ -252,10 +266,13 @@ def test_gpu_image_pins_vllm_032_and_keeps_vllm_serve():
 
 
 def test_cpu_image_mirrors_setup_sh():
-    ins = instructions(CPU)
-    froms = only(ins, "FROM")
-    assert len(froms) == 1, froms
-    image = froms[0].split()[0]
+    all_stages = stages(CPU)
+    # two stages on the same base: the attention kernel's build, then the image
+    assert len(all_stages) == 2, [st[0][1] for st in all_stages]
+    images = [st[0][1].split()[0] for st in all_stages]
+    assert images[0] == images[1], f"the kernel must be built on the runtime's base image: {images}"
+    ins = all_stages[-1]
+    image = images[-1]
     assert re.fullmatch(r"python:3\.11(\.\d+)?-slim-[a-z]+", image), \
         f"pin a Python 3.11 slim image on a named Debian release, not {image}"
     runs = only(ins, "RUN")
@@ -279,6 +296,75 @@ def test_cpu_image_mirrors_setup_sh():
     assert users and users[-1].split(":")[0] not in ("root", "0"), "the CPU image runs as non-root"
     assert only(ins, "HEALTHCHECK") and "/health" in only(ins, "HEALTHCHECK")[0]
     assert any("VLLM_CPU_KVCACHE_SPACE=" in e for e in only(ins, "ENV"))
+
+
+KERNEL_FILES = ["vllm_tokenswift/__init__.py", "vllm_tokenswift/kernels"]
+
+
+def _kernel_stage_and_cache() -> tuple[list[tuple[str, str]], str, str]:
+    """The CPU image's kernel stage, its stage name and the runtime's VLLM_TOKENSWIFT_CACHE."""
+    build, runtime = stages(CPU)
+    base = build[0][1].split()
+    assert len(base) == 3 and base[1].upper() == "AS", f"the kernel stage needs a name: FROM {build[0][1]}"
+    cache = env_values(runtime).get(CACHE_ENV)
+    assert cache, f"the runtime stage must set {CACHE_ENV}"
+    return build, base[2], cache
+
+
+def test_cpu_image_prebuilds_the_attention_kernel():
+    """Stage 1 compiles the kernel with pinned gcc from the kernel's files only, into the cache
+    the runtime stage uses; the runtime stage copies exactly that folder, installs no compiler
+    (nor a system libgomp: torch's is used) and its build check loads the kernel without
+    building (--no-build), after the package is installed."""
+    build, name, cache = _kernel_stage_and_cache()
+    runtime = stages(CPU)[-1]
+    b_runs = " ".join(only(build, "RUN"))
+    assert re.search(r"\bgcc=\S+", b_runs) and re.search(r"libc6-dev=\S+", b_runs), b_runs
+    copies = [shlex.split(c) for c in only(build, "COPY")]
+    assert sorted(c[0] for c in copies) == sorted(KERNEL_FILES), copies
+    assert f"VLLM_TOKENSWIFT_CACHE={cache} python -m vllm_tokenswift.kernels --build-only" in b_runs
+    kernels_dir = f"{cache}/kernels"
+    copied = [shlex.split(c) for c in only(runtime, "COPY") if c.startswith("--from")]
+    assert copied == [[f"--from={name}", kernels_dir, kernels_dir]], copied
+    # the folder the plugin looks in under the image's environment
+    with mock.patch.dict(os.environ, {CACHE_ENV: cache}):
+        assert str(kb.kernel_cache_dir()) == kernels_dir
+    r_runs = only(runtime, "RUN")
+    assert not any(re.search(r"\b(gcc|clang|build-essential|libgomp1)\b", r) for r in r_runs), \
+        "the runtime stage installs no compiler and no system libgomp"
+    check = next(r for r in r_runs if "-e ." in r)
+    assert check.index("-e .") < check.index("python -m vllm_tokenswift.kernels --no-build")
+
+
+def test_kernel_stage_files_alone_build_at_the_runtime_path(tmp_path):
+    """What stage 1 copies (the package's __init__ and kernels/) builds the kernel with the
+    standard library alone (no torch, no numpy: the stage has neither) under the name the full
+    package computes at run time for that cache, whatever the compiler is called then."""
+    if not kb.is_x86_64():
+        pytest.skip("the kernel builds on x86-64 only")
+    ctx = tmp_path / "ctx"
+    for rel in KERNEL_FILES:
+        src, dst = ROOT / rel, ctx / rel
+        if src.is_dir():
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(src, dst)
+    cache = tmp_path / "cache"
+    code = ("import sys; from vllm_tokenswift.kernels.__main__ import main; rc = main(['--build-only']); "
+            "bad = [m for m in ('torch', 'numpy', 'vllm') if m in sys.modules]; "
+            "assert not bad, bad; sys.exit(rc)")
+    env = {k: v for k, v in os.environ.items() if k not in ("CC", "PYTHONPATH")}
+    env[CACHE_ENV] = str(cache)
+    # -E -s: no PYTHONPATH, no user site: the package comes from the copied files in cwd
+    r = subprocess.run([sys.executable, "-E", "-s", "-c", code], cwd=ctx, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"source: {ctx / 'vllm_tokenswift' / 'kernels' / 'verify_attention.c'}" in r.stdout, r.stdout
+    with mock.patch.dict(os.environ, {CACHE_ENV: str(cache), "CC": "/nonexistent-cc"}):
+        path = kb.kernel_path()
+    assert path.is_file() and f"path: {path}" in r.stdout, r.stdout
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
 
 
 @pytest.mark.parametrize("dockerfile", [GPU, CPU], ids=lambda p: p.name)

@@ -6,17 +6,23 @@ The demo model (6 layers), a 1,536-token prompt whose second half repeats its fi
 the n-gram proposer finds matches from the first step), 96 greedy tokens; plain decoding
 against ``{"method": "ngram", "num_speculative_tokens": 4}`` with the opt-in. Engine-free
 cases check who may opt in (:func:`vllm_tokenswift.kernels.cpu_attention.builder_settings`).
+
+The same plain output is the reference for a TokenSwift engine that cannot get the kernel
+(no compiler, an empty kernel cache, issue 57): it logs one WARNING saying why, vLLM's CPU
+attention verifies, and greedy output is still plain decoding's.
 """
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from vllm_tokenswift.kernels import build as kb
 from vllm_tokenswift.kernels import cpu_attention as ca
-from vllm_tokenswift.cli.assets import DEMO_MODEL, PROMPTS_DIR
+from vllm_tokenswift.cli.assets import DEMO_HEADS, DEMO_MODEL, PROMPTS_DIR
 from vllm_tokenswift.bench import methods
 from vllm_tokenswift.core.config import VERIFY_ATTENTION_OPT_IN_KEY
 
@@ -42,6 +48,58 @@ def test_who_may_opt_in():
     s = ca._decide(_builder("eagle", on))
     assert not s.enabled and "'eagle'" in s.reason
     assert VERIFY_ATTENTION_OPT_IN_KEY == "tokenswift_verify_attention"   # the documented key
+
+
+@pytest.fixture
+def no_kernel(monkeypatch, tmp_path):
+    """This process as if the kernel had never been looked for, with no compiler and an empty
+    kernel cache (restored after the test), and the kernel WARNING not yet logged. Returns
+    the records the ``vllm_tokenswift`` logger emits at WARNING and above."""
+    for name, value in (("_loaded", False), ("_kernel", None), ("_kernel_error", None), ("_status", None)):
+        monkeypatch.setattr(kb, name, value)
+    monkeypatch.setattr(ca, "_warned_missing", False)
+    monkeypatch.setenv("CC", "/nonexistent-cc")
+    monkeypatch.setenv("VLLM_TOKENSWIFT_CACHE", str(tmp_path / "cache"))
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    log = logging.getLogger("vllm_tokenswift")
+    log.addHandler(handler)
+    yield records
+    log.removeHandler(handler)
+
+
+KERNEL_WARNING = "TokenSwift verification attention kernel unavailable"
+
+
+def test_a_kernel_that_cannot_load_is_a_warning_once(no_kernel, caplog):
+    """Where everything else allows the kernel but it cannot be built, the builder says so
+    at WARNING (once per process, however many builders); reasons that keep the kernel off
+    by design stay at INFO."""
+    if kb.cpu_supports_kernel() is not None:
+        pytest.skip(kb.cpu_supports_kernel())
+    on = {VERIFY_ATTENTION_OPT_IN_KEY: True}
+    caplog.set_level(logging.INFO, logger="vllm_tokenswift")
+    first, second = _builder("ngram", on), _builder(None, on)
+    s = ca.builder_settings(first)
+    assert not s.enabled and s.kernel_missing and "no C compiler" in s.reason, s
+    assert ca.builder_settings(second).kernel_missing
+    warnings = [r.getMessage() for r in no_kernel]
+    assert len(warnings) == 1 and KERNEL_WARNING in warnings[0], warnings
+    assert "'/nonexistent-cc' was not found" in warnings[0] and "vLLM's CPU attention runs instead" in warnings[0]
+    fp16 = _builder("ngram", on)
+    fp16.dtype = torch.float16
+    s = ca.builder_settings(fp16)                                   # off by design: INFO
+    assert not s.enabled and not s.kernel_missing
+    assert len(no_kernel) == 1
+    assert any("model dtype torch.float16" in r.getMessage() and r.levelno == logging.INFO for r in caplog.records)
+
+
+def test_a_cpu_without_avx2_is_info_not_a_warning(no_kernel, monkeypatch):
+    monkeypatch.setattr(kb, "cpu_supports_kernel", lambda: "the CPU lacks avx2")
+    s = ca.builder_settings(_builder("ngram", {VERIFY_ATTENTION_OPT_IN_KEY: True}))
+    assert not s.enabled and not s.kernel_missing and s.reason == "the CPU lacks avx2"
+    assert no_kernel == []
 
 
 def test_bench_methods_carry_the_opt_in():
@@ -98,8 +156,14 @@ def _counts(worker):
     return ca.verify_attention_counts(worker.model_runner)
 
 
-@pytest.mark.engine
-def test_ngram_with_the_kernel_equals_plain_decoding():
+#: the engines' settings (besides tests/engine_utils.ENGINE_KW)
+ENGINE = dict(max_model_len=2048, block_size=128, skip_tokenizer_init=False)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    """The prompt, the sampling parameters and plain decoding's greedy tokens (one engine
+    for the module's engine tests)."""
     from transformers import AutoTokenizer
     from vllm import SamplingParams
     from engine_utils import make_llm, shutdown
@@ -109,10 +173,51 @@ def test_ngram_with_the_kernel_equals_plain_decoding():
     half = tok(text, add_special_tokens=False)["input_ids"][:768]
     prompt = [{"prompt_token_ids": half + half}]
     sp = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-    kw = dict(max_model_len=2048, block_size=128, skip_tokenizer_init=False)
-    plain = make_llm(str(DEMO_MODEL), **kw)
-    want = list(plain.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids)
-    shutdown(plain)
+    llm = make_llm(str(DEMO_MODEL), **ENGINE)
+    want = list(llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids)
+    shutdown(llm)
+    return prompt, sp, want
+
+
+@pytest.mark.engine
+def test_tokenswift_without_a_compiler_falls_back_to_vllms_attention(plain, no_kernel):
+    """No compiler and an empty kernel cache: the kernel cannot load, so the engine logs one
+    WARNING naming why, every attention layer runs vLLM's kernel (the counters show no
+    kernel call and no plan), and greedy TokenSwift still equals plain decoding.
+
+    Before the n-gram engine on purpose: vLLM's n-gram proposer imports numba, and once
+    llvmlite is imported a later engine start in the same process fails in vLLM's Triton
+    kernel registry (``vllm/triton_utils/dispatcher.py`` reads ``vars()`` of llvmlite's
+    ``ffi.lib``, whose ``__getattr__`` answers for ``__dict__``)."""
+    from engine_utils import make_llm, shutdown
+
+    from vllm_tokenswift.engine.stats_rpc import get_engine_stats
+
+    if kb.cpu_supports_kernel() is not None:
+        pytest.skip(kb.cpu_supports_kernel())
+    prompt, sp, want = plain
+    spec = {"method": "tokenswift", "model": str(DEMO_HEADS), "num_speculative_tokens": 4,
+            "tokenswift": {"kv_budget": 1024}}
+    ts = make_llm(str(DEMO_MODEL), spec, **ENGINE)
+    got = list(ts.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids)
+    stats = get_engine_stats(ts)
+    shutdown(ts)
+    warnings = [r.getMessage() for r in no_kernel if KERNEL_WARNING in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in no_kernel]
+    assert "no C compiler: '/nonexistent-cc' was not found" in warnings[0]
+    assert kb.kernel_status().state == kb.FAILED
+    assert stats["verify_attention"] == {}, stats["verify_attention"]   # nothing planned, no kernel call
+    assert stats["accepted_tokens"] > 0, stats                           # it did speculate
+    first = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
+    assert len(got) == NEW and first is None, f"TokenSwift without the kernel differs at token {first}"
+
+
+@pytest.mark.engine
+def test_ngram_with_the_kernel_equals_plain_decoding(plain):
+    from engine_utils import make_llm, shutdown
+
+    prompt, sp, want = plain
+    kw = ENGINE
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     ng = make_llm(str(DEMO_MODEL), spec, additional_config={VERIFY_ATTENTION_OPT_IN_KEY: True}, **kw)
     got = list(ng.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids)
@@ -125,3 +230,4 @@ def test_ngram_with_the_kernel_equals_plain_decoding():
     assert counts.get("steps", 0) > 5 and counts["layer_calls"] == 6 * counts["steps"], counts
     assert counts["requests"] == counts["steps"] and counts["tokens"] >= NEW - 1, counts
     assert counts.get("fallbacks", 0) == 0
+

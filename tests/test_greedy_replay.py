@@ -1,14 +1,14 @@
-"""examples/greedy_replay.py: TokenSwift's n-gram drafting replayed over a fixed greedy output."""
+"""docs/research/greedy_replay.py: TokenSwift's n-gram drafting replayed over a fixed greedy output."""
 
 import random
 
 import pytest
-from example_utils import load_example
+from research_utils import load_research
 
 
 @pytest.fixture(scope="module")
 def replay():
-    return load_example("greedy_replay")
+    return load_research("greedy_replay")
 
 
 def test_replay_accounts_every_token_and_drafts_full_chains_on_a_loop(replay):

@@ -1,10 +1,10 @@
-"""examples/noise_probe.py: its engine-free part (the steal-time reader)."""
+"""docs/research/noise_probe.py: its engine-free part (the steal-time reader)."""
 
 import pytest
 
-from example_utils import load_example
+from research_utils import load_research
 
-probe = load_example("noise_probe")
+probe = load_research("noise_probe")
 
 
 def test_steal_seconds_reads_the_eighth_value_of_the_cpu_line():

@@ -110,17 +110,28 @@ def test_exporter_leaves_an_idle_engine_alone():
     client.get_num_unfinished_requests = lambda: client.unfinished.pop(0) if client.unfinished else 0
     exp = TokenSwiftMetricsExporter(client, interval_s=0.005, sink=col)
 
+    async def until(cond, what):
+        try:
+            await asyncio.wait_for(_poll(cond), 30)
+        except asyncio.TimeoutError:
+            pytest.fail(f"the exporter never {what} (refreshes {exp.refreshes}, skipped {exp.skipped_idle})")
+
     async def go():
         exp.start()
-        while client.unfinished or exp.skipped_idle < 10:
-            await asyncio.sleep(0.005)
+        await until(lambda: not client.unfinished, "went through the scripted turns")
+        drained = exp.skipped_idle
+        await until(lambda: exp.skipped_idle >= drained + 10, "skipped ten idle turns")
         exp.task.cancel()
 
     asyncio.run(go())
     # busy, busy, first idle turn (refresh), idle x4 (skipped), busy (refresh), first
-    # idle turn after it (refresh), then only skips
+    # idle turn after it (refresh), then only skips: ten idle turns later no fetch was added
     assert exp.refreshes == 5 and len(client.calls) == 5
-    assert exp.skipped_idle >= 10
+
+
+async def _poll(cond):
+    while not cond():
+        await asyncio.sleep(0.005)
 
 
 def test_multiprocess_mode_writes_max_gauges(tmp_path):

@@ -1,14 +1,14 @@
-"""examples/step_cost_ab.py: the per-request decode time (the runs themselves need vLLM and a model)."""
+"""docs/research/step_cost_ab.py: the per-request decode time (the runs themselves need vLLM and a model)."""
 
 from types import SimpleNamespace
 
 import pytest
-from example_utils import load_example
+from research_utils import load_research
 
 
 @pytest.fixture(scope="module")
 def ab():
-    return load_example("step_cost_ab")
+    return load_research("step_cost_ab")
 
 
 def _out(first_ts, last_ts, n):

@@ -1,12 +1,12 @@
-"""examples/step_trace.py: the per-step tables (the tracing itself needs vLLM and a model)."""
+"""docs/research/step_trace.py: the per-step tables (the tracing itself needs vLLM and a model)."""
 
 import pytest
-from example_utils import load_example
+from research_utils import load_research
 
 
 @pytest.fixture(scope="module")
 def trace():
-    return load_example("step_trace")
+    return load_research("step_trace")
 
 
 def _step(tok, exec_ms, sample_ms, prop_ms, gap_ms, **kw):

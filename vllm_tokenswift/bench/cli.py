@@ -36,7 +36,7 @@ def _ints(s: str) -> list[int]:
 
 def name_json_arg(s: str) -> tuple[str, Any]:
     """argparse ``type`` for ``NAME=JSON`` options (``--method-config`` here,
-    ``--ts-variant`` of ``examples/step_trace.py``): ``(NAME, parsed JSON)``.
+    ``--ts-variant`` of ``docs/research/step_trace.py``): ``(NAME, parsed JSON)``.
 
     Raises:
         argparse.ArgumentTypeError: no ``=``, an empty name, or bad JSON.

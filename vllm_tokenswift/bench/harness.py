@@ -83,7 +83,8 @@ def empty_proposer(worker: Any) -> bool:
     """Diagnostics, run in a worker through ``llm.collective_rpc(empty_proposer)``: make
     its TokenSwift proposer return no drafts at once, leaving vLLM's speculative path
     (spec-decode scheduling, the plugin's hooks) in place without the proposer's work.
-    The examples' ``ts-empty`` mode compares such an engine with plain decoding.
+    The ``ts-empty`` mode of docs/research/step_cost_ab.py and step_trace.py compares such an
+    engine with plain decoding.
 
     Returns True (collective_rpc's per-worker result). Raises AttributeError when the
     worker's model runner has no drafter (not a speculative engine)."""

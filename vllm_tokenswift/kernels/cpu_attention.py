@@ -31,7 +31,8 @@ methods with a draft model are not covered. The patch wraps two methods of
 
 Fail-closed: the builder plans only where the kernel applies (fp32 model and cache,
 the "vec" ISA, no sliding window, no dynamic causality, a kernel that compiled and
-loaded); a layer whose impl has ALiBi, a soft cap, sinks, an fp8 cache or fused output
+loaded: where all else allows it but the kernel cannot load, a WARNING says why, once per
+process); a layer whose impl has ALiBi, a soft cap, sinks, an fp8 cache or fused output
 quantisation, and any call the kernel refuses, runs vLLM's forward for the whole batch.
 Counters of what ran where are kept per engine (:func:`builder_counts`; ``tokenswift_stats``
 key ``verify_attention``).
@@ -47,6 +48,7 @@ import numpy as np
 import torch
 
 from vllm_tokenswift.kernels import verify_attention as va
+from vllm_tokenswift.kernels.build import FAILED, kernel_status
 from vllm_tokenswift.core.config import VERIFY_ATTENTION_OPT_IN_KEY, is_tokenswift_spec
 
 logger = logging.getLogger("vllm_tokenswift")
@@ -99,11 +101,18 @@ class BatchPlan:
 
 @dataclasses.dataclass(frozen=True)
 class BuilderSettings:
-    """Why a builder plans, or does not (``reason``), and the longest query it plans."""
+    """Why a builder plans, or does not (``reason``), and the longest query it plans.
+    ``kernel_missing``: everything else allowed the kernel, but it could not be built or
+    loaded (logged as a WARNING once per process; other reasons are logged at INFO)."""
 
     enabled: bool
     max_query_len: int = 0
     reason: str = ""
+    kernel_missing: bool = False
+
+
+#: whether this process has logged the kernel-missing WARNING (:func:`builder_settings`)
+_warned_missing = False
 
 
 def builder_settings(builder) -> BuilderSettings:
@@ -111,9 +120,16 @@ def builder_settings(builder) -> BuilderSettings:
     cached = getattr(builder, _SETTINGS, None)
     if cached is not None:
         return cached
+    global _warned_missing
     s = _decide(builder)
     setattr(builder, _SETTINGS, s)
-    if not s.enabled and s.reason:
+    if s.kernel_missing and not _warned_missing:
+        _warned_missing = True
+        logger.warning("TokenSwift verification attention kernel unavailable: %s. vLLM's CPU attention "
+                       "runs instead (correct, but verifying drafts costs more at long context); "
+                       "`python -m vllm_tokenswift.kernels` builds the kernel and shows its status",
+                       s.reason)
+    elif not s.enabled and s.reason:
         logger.info("TokenSwift verification attention off for %s: %s", type(builder).__name__, s.reason)
     return s
 
@@ -148,7 +164,9 @@ def _decide(builder) -> BuilderSettings:
         if not ok:
             return BuilderSettings(False, reason=why)
     if va.load_kernel() is None:
-        return BuilderSettings(False, reason=va.kernel_error() or "kernel unavailable")
+        st = kernel_status()
+        return BuilderSettings(False, reason=va.kernel_error() or "kernel unavailable",
+                               kernel_missing=st.state == FAILED)
     if sc is None:
         return BuilderSettings(True, max_query_len=PLAIN_MAX_QUERY_LEN)
     return BuilderSettings(True, max_query_len=int(sc.num_speculative_tokens) + 1)

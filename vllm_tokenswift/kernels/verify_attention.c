@@ -1,8 +1,11 @@
 /*
  * Multi-query causal attention over vLLM's CPU paged KV cache ("vec" layout, fp32),
  * for requests that verify draft tokens: q = 1 + k query tokens per request attend to
- * the whole context. Built by vllm_tokenswift/verify_attention.py (cc -O3 -mavx2 -mfma
- * -fopenmp) and called through ctypes.
+ * the whole context. Built by vllm_tokenswift/kernels/build.py (cc -O3 -mavx2 -mfma
+ * -fopenmp) and called through ctypes by vllm_tokenswift/kernels/verify_attention.py, which
+ * checks every index this file follows (block ids against the cache, block-table rows and
+ * width, query-token ranges, the scratch size) before the call: the checks here are only
+ * the O(num_reqs) ones that need no tensor shape.
  *
  * Why: vLLM 0.32's CPU kernel shares a KV head's pass among its query heads only when
  * the GQA group divides 8 (MaxQHeadNumPerIteration of the vec ISA), and otherwise
@@ -38,6 +41,20 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+
+/* Return codes of tokenswift_verify_attention_f32: 0, or one of these (nothing written to
+ * out then). kernels/verify_attention.py maps each to its own message (ERROR_MESSAGES);
+ * tests/test_verify_attention.py checks that every code here has one. */
+enum {
+    TS_OK = 0,
+    TS_E_HEADS = -1,      /* Hq or Hkv not positive, or Hq not a multiple of Hkv */
+    TS_E_HEAD_DIM = -2,   /* D not a positive multiple of 32 */
+    TS_E_BLOCK_SIZE = -3, /* bs not a positive multiple of 16 */
+    TS_E_SPLITS = -4,     /* num_splits < 1, or num_splits > 1 without scratch */
+    TS_E_NUM_REQS = -5,   /* num_reqs < 0 */
+    TS_E_REQUEST = -6,    /* a request with q_len < 1, seq_len < q_len, q_start < 0 or bt_row < 0 */
+    TS_E_NO_MEMORY = -7,  /* a thread's work buffers could not be allocated */
+};
 
 #define MAX_ROWS 6
 /* the block whose K and V are prefetched while one is multiplied: this many ahead */
@@ -271,8 +288,13 @@ static void attend_split(const float* qs, int M, int G, int D, int bs, const flo
  * block_table: int32 [*, bt_stride]; request r uses row bt_row[r].
  * q_start, q_len, seq_len, bt_row: int32 [num_reqs]; seq_len counts the query tokens.
  * num_splits: KV splits per (request, KV head); scratch: fp32, at least
- *             num_reqs * Hkv * num_splits * max_M * (D + 2) floats when num_splits > 1.
- * Returns 0, or a negative code for unsupported shapes (nothing written then).
+ *             num_reqs * Hkv * num_splits * max_M * (D + 2) floats when num_splits > 1
+ *             (max_M = max(q_len) * Hq / Hkv).
+ * Returns 0, or a negative TS_E_* code (nothing written to out then: on TS_E_NO_MEMORY
+ * every thread stops before its first item once any thread's allocation failed).
+ * Not checked here (the caller does): block ids in [0, num_blocks), bt_row below the
+ * table's rows, ceil(seq_len / bs) <= the table's width, q_start + q_len <= the tokens of
+ * query and out, the scratch size.
  */
 int tokenswift_verify_attention_f32(const float* query, int64_t q_stride, float* out,
                                     int64_t out_stride, const float* cache,
@@ -282,16 +304,24 @@ int tokenswift_verify_attention_f32(const float* query, int64_t q_stride, float*
                                     int32_t num_reqs, int32_t Hq, int32_t Hkv, int32_t D,
                                     int32_t bs, float scale, int32_t num_splits,
                                     float* scratch) {
-    if (Hkv <= 0 || Hq % Hkv != 0 || D % 32 != 0 || bs % 16 != 0 || num_splits < 1) return -1;
+    if (Hkv <= 0 || Hq <= 0 || Hq % Hkv != 0) return TS_E_HEADS;
+    if (D <= 0 || D % 32 != 0) return TS_E_HEAD_DIM;
+    if (bs <= 0 || bs % 16 != 0) return TS_E_BLOCK_SIZE;
+    if (num_splits < 1 || (num_splits > 1 && scratch == NULL)) return TS_E_SPLITS;
+    if (num_reqs < 0) return TS_E_NUM_REQS;
     const int G = Hq / Hkv;
     int max_q = 0;
-    for (int r = 0; r < num_reqs; ++r) max_q = q_len[r] > max_q ? q_len[r] : max_q;
+    for (int r = 0; r < num_reqs; ++r) {
+        if (q_len[r] < 1 || seq_len[r] < q_len[r] || q_start[r] < 0 || bt_row[r] < 0) return TS_E_REQUEST;
+        max_q = q_len[r] > max_q ? q_len[r] : max_q;
+    }
+    if (num_reqs == 0) return TS_OK;
     const int max_M = max_q * G;
     const int64_t head_stride = (int64_t)2 * bs * D;
     const int64_t block_stride = head_stride * Hkv;
     const int64_t items = (int64_t)num_reqs * Hkv * num_splits;
     const int64_t part = (int64_t)max_M * (D + 2);
-    int status = 0;
+    int alloc_failed = 0;
 
 #pragma omp parallel
     {
@@ -300,15 +330,25 @@ int tokenswift_verify_attention_f32(const float* query, int64_t q_stride, float*
         float* acc = (float*)alloc64(sizeof(float) * ((size_t)max_M * D + 16));
         float* mx = (float*)alloc64(sizeof(float) * ((size_t)max_M + 16));
         float* l = (float*)alloc64(sizeof(float) * ((size_t)max_M + 16));
-        const int ok = qs && s && acc && mx && l;
-        if (!ok) {
+#ifdef TOKENSWIFT_TEST_ALLOC_FAIL
+        /* test hook (tests/test_verify_attention.py builds a copy with it): the last thread's
+           allocation "fails" */
+        if (omp_get_thread_num() == omp_get_num_threads() - 1) { free(acc); acc = NULL; }
+#endif
+        if (!(qs && s && acc && mx && l)) {
 #pragma omp atomic write
-            status = -2;
+            alloc_failed = 1;
         }
-        /* every thread reaches the worksharing loop; one without buffers skips its items */
+        /* Nothing is written before every thread knows whether all allocations succeeded:
+           after the barrier (a flush) all threads read the same flag and either all run the
+           worksharing loop or none does, so a failure leaves out (and scratch) untouched. */
+#pragma omp barrier
+        int any_failed;
+#pragma omp atomic read
+        any_failed = alloc_failed;
+        if (!any_failed) {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; ++it) {
-            if (!ok) continue;
             {
                 const int r = (int)(it / ((int64_t)Hkv * num_splits));
                 const int h = (int)((it / num_splits) % Hkv);
@@ -353,9 +393,11 @@ int tokenswift_verify_attention_f32(const float* query, int64_t q_stride, float*
                 }
             }
         }
+        }
         free(qs); free(s); free(acc); free(mx); free(l);
     }
-    if (status != 0 || num_splits == 1) return status;
+    if (alloc_failed) return TS_E_NO_MEMORY;
+    if (num_splits == 1) return TS_OK;
 
     /* merge the splits of every (request, KV head) */
 #pragma omp parallel for schedule(static)
@@ -385,5 +427,5 @@ int tokenswift_verify_attention_f32(const float* query, int64_t q_stride, float*
             for (int d = 0; d < D; ++d) dst[d] *= inv;
         }
     }
-    return 0;
+    return TS_OK;
 }

@@ -31,7 +31,7 @@ V ``[block_size, head_dim]``.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -43,12 +43,38 @@ logger = logging.getLogger("vllm_tokenswift")
 #: a split of the context across threads gets at least this many KV blocks
 MIN_BLOCKS_PER_SPLIT = 16
 
+#: the kernel's return codes (``TS_E_*`` in ``verify_attention.c``) and what each means
+ERROR_MESSAGES = {
+    -1: "the head counts do not fit: num_heads and num_kv_heads must be positive, num_heads a "
+        "multiple of num_kv_heads",
+    -2: "head_dim must be a positive multiple of 32",
+    -3: "block_size must be a positive multiple of 16",
+    -4: "num_splits must be >= 1, and a plan with num_splits > 1 needs a scratch buffer",
+    -5: "the number of requests is negative",
+    -6: "a request has q_len < 1, seq_len < q_len, q_start < 0 or bt_row < 0",
+    -7: "out of memory: a thread's work buffers could not be allocated",
+}
+
 
 class VerifyAttentionError(RuntimeError):
-    """The kernel refused the shapes it was given (nothing was written)."""
+    """The kernel refused the arguments it was given: the Python checks of
+    :func:`verify_attention` or the kernel's own (its return code). Nothing was written to
+    ``out`` then."""
 
 
-@dataclass
+def error_message(code: int) -> str:
+    """The message of the kernel's return code ``code`` (:data:`ERROR_MESSAGES`)."""
+    return ERROR_MESSAGES.get(code, "unknown error")
+
+
+def _int32_vector(t, name: str) -> np.ndarray:
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1 \
+            or not t.is_contiguous() or not t.is_cpu:
+        raise ValueError(f"VerifyPlan.{name} must be a contiguous 1-D int32 CPU tensor")
+    return t.numpy()
+
+
+@dataclass(frozen=True, eq=False)
 class VerifyPlan:
     """The requests of one batch that :func:`verify_attention` computes.
 
@@ -56,7 +82,18 @@ class VerifyPlan:
     query token in the batch, ``q_len`` its query tokens, ``seq_len`` its context
     *including* those tokens, ``bt_row`` its row of the block table. ``num_splits``:
     context splits per (request, KV head) (1 on one thread). ``scratch``: fp32 buffer
-    for the partial results of the splits (empty with one split).
+    for the partial results of the splits (at least ``R * Hkv * num_splits * max(q_len) *
+    G * (D + 2)`` floats when ``num_splits > 1``, ``G`` query heads per KV head).
+
+    Frozen, and its arrays are not to be changed after it is made: the values the per-call
+    checks of :func:`verify_attention` use are taken here (``num_reqs``, ``max_q_len``,
+    ``max_seq_len``, ``max_q_end`` = max ``q_start + q_len``, ``max_bt_row``), and the block
+    ids a block table gives it are checked once per table (:func:`check_block_table`).
+
+    Raises:
+        ValueError: an array is not a contiguous int32 CPU vector, the lengths differ, a
+            request has ``q_len < 1``, ``seq_len < q_len``, ``q_start < 0`` or ``bt_row < 0``,
+            ``num_splits < 1`` or ``scratch`` is not a contiguous float32 CPU tensor.
     """
 
     q_start: torch.Tensor
@@ -65,10 +102,47 @@ class VerifyPlan:
     bt_row: torch.Tensor
     num_splits: int
     scratch: torch.Tensor
+    num_reqs: int = field(init=False, default=0)
+    max_q_len: int = field(init=False, default=0)
+    max_seq_len: int = field(init=False, default=0)
+    max_q_end: int = field(init=False, default=0)
+    max_bt_row: int = field(init=False, default=-1)
+    #: the kernel's pointer arguments from the plan (q_start, q_len, seq_len, bt_row, scratch)
+    _ptrs: tuple = field(init=False, default=(), repr=False)
+    #: ``{"table": key}``: the block table the block ids were last checked against
+    _checked: dict = field(init=False, default_factory=dict, repr=False)
 
-    @property
-    def num_reqs(self) -> int:
-        return int(self.q_len.shape[0])
+    def __post_init__(self):
+        qs, ql, sl, row = (_int32_vector(getattr(self, n), n) for n in ("q_start", "q_len", "seq_len", "bt_row"))
+        n = ql.shape[0]
+        if not (qs.shape[0] == sl.shape[0] == row.shape[0] == n):
+            raise ValueError("q_start, q_len, seq_len and bt_row must have one entry per request")
+        if int(self.num_splits) < 1:
+            raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
+        sc = self.scratch
+        if not isinstance(sc, torch.Tensor) or sc.dtype != torch.float32 or not sc.is_contiguous() \
+                or not sc.is_cpu:
+            raise ValueError("VerifyPlan.scratch must be a contiguous float32 CPU tensor")
+        set_ = object.__setattr__
+        set_(self, "num_splits", int(self.num_splits))
+        set_(self, "num_reqs", int(n))
+        if n:
+            if ql.min() < 1 or (sl < ql).any():
+                raise ValueError("every request needs >= 1 query token and seq_len >= q_len")
+            if qs.min() < 0 or row.min() < 0:
+                raise ValueError("q_start and bt_row must be >= 0")
+            set_(self, "max_q_len", int(ql.max()))
+            set_(self, "max_seq_len", int(sl.max()))
+            set_(self, "max_q_end", int((qs.astype(np.int64) + ql).max()))
+            set_(self, "max_bt_row", int(row.max()))
+        set_(self, "_ptrs", (self.q_start.data_ptr(), self.q_len.data_ptr(), self.seq_len.data_ptr(),
+                             self.bt_row.data_ptr(), sc.data_ptr()))
+
+    def scratch_needed(self, num_kv_heads: int, gqa: int, head_dim: int) -> int:
+        """Floats of ``scratch`` the kernel uses for these heads (0 with one split)."""
+        if self.num_splits <= 1:
+            return 0
+        return self.num_reqs * num_kv_heads * self.num_splits * self.max_q_len * gqa * (head_dim + 2)
 
 
 def make_plan(q_start, q_len, seq_len, bt_row, *, num_kv_heads: int, gqa: int, head_dim: int,
@@ -77,28 +151,71 @@ def make_plan(q_start, q_len, seq_len, bt_row, *, num_kv_heads: int, gqa: int, h
 
     ``num_splits`` is chosen so that the ``R * num_kv_heads * num_splits`` work items
     keep ``num_threads`` threads busy (default ``torch.get_num_threads()``) while each
-    split keeps at least :data:`MIN_BLOCKS_PER_SPLIT` KV blocks.
+    split keeps at least :data:`MIN_BLOCKS_PER_SPLIT` KV blocks; ``scratch`` is sized for
+    ``num_kv_heads``, ``gqa`` query heads per KV head and ``head_dim``.
 
     Raises:
-        ValueError: lengths differ, a request has no query token or a context shorter
-            than its query tokens.
+        ValueError: lengths differ, a request has no query token, a context shorter
+            than its query tokens, or a negative ``q_start`` or ``bt_row``.
     """
     arrs = [np.ascontiguousarray(np.asarray(a, dtype=np.int32)).reshape(-1)
             for a in (q_start, q_len, seq_len, bt_row)]
     n = arrs[0].shape[0]
     if any(a.shape[0] != n for a in arrs):
         raise ValueError("q_start, q_len, seq_len and bt_row must have one entry per request")
-    if n and (arrs[1].min() < 1 or (arrs[2] < arrs[1]).any()):
-        raise ValueError("every request needs >= 1 query token and seq_len >= q_len")
     threads = max(1, int(num_threads if num_threads is not None else torch.get_num_threads()))
     splits = 1
     if n and threads > n * num_kv_heads:
-        nblk_min = int((int(arrs[2].min()) + block_size - 1) // block_size)
+        nblk_min = int((max(int(arrs[2].min()), 0) + block_size - 1) // block_size)
         splits = max(1, min(-(-threads // (n * num_kv_heads)), nblk_min // MIN_BLOCKS_PER_SPLIT))
-    max_m = int(arrs[1].max()) * gqa if n else 0
+    max_m = max(int(arrs[1].max()), 0) * gqa if n else 0
     size = n * num_kv_heads * splits * max_m * (head_dim + 2) if splits > 1 else 0
     t = [torch.from_numpy(a) for a in arrs]
     return VerifyPlan(t[0], t[1], t[2], t[3], splits, torch.empty(size + 16, dtype=torch.float32))
+
+
+def _table_key(block_table: torch.Tensor, num_blocks: int, block_size: int) -> tuple:
+    try:
+        version = block_table._version
+    except RuntimeError:  # an inference-mode tensor has no version counter
+        version = -1
+    return (block_table.data_ptr(), block_table.shape, block_table.stride(0), version, num_blocks, block_size)
+
+
+def check_block_table(plan: VerifyPlan, block_table: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """Check that every block id the kernel will read for ``plan`` lies in ``[0,
+    num_blocks)``: ``block_table[bt_row[r], :ceil(seq_len[r] / block_size)]`` of every
+    request (ids past a request's context are not read and not checked). The table's rows
+    and width are :func:`verify_attention`'s O(1) checks, done before this one.
+
+    :func:`verify_attention` calls it once per plan and table: the outcome is kept on the
+    plan, keyed by the table's data pointer, shape, row stride and version counter (bumped
+    by in-place torch ops; an inference-mode tensor has none) and by ``num_blocks`` and
+    ``block_size``, so the other layers of a step pay a tuple compare. A table changed
+    behind torch's back (through a NumPy view) under the same plan is not seen: vLLM builds
+    a new plan every step.
+
+    Raises:
+        VerifyAttentionError: a block id out of range (names the request and the position).
+    """
+    key = _table_key(block_table, num_blocks, block_size)
+    if plan.num_reqs:
+        table = block_table.numpy()
+        nblk = (plan.seq_len.numpy() + (block_size - 1)) // block_size
+        width = int(nblk.max())
+        ids = table[plan.bt_row.numpy(), :width]                         # [R, width] (a copy)
+        bad = ids.view(np.uint32) >= num_blocks                          # negative ids too
+        if width != int(nblk.min()):
+            bad &= np.arange(width) < nblk[:, None]                      # only the ids read
+        if bad.any():
+            r, j = (int(x) for x in np.argwhere(bad)[0])
+            raise VerifyAttentionError(
+                f"block id {int(ids[r, j])} out of range [0, {num_blocks}): request {r} "
+                f"(block-table row {int(plan.bt_row[r])}), its block {j}")
+    plan._checked["table"] = key
+
+
+_F32, _I32 = torch.float32, torch.int32
 
 
 def verify_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -116,33 +233,72 @@ def verify_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: t
             overwritten, other rows are left alone.
         scale: the softmax scale (``1 / sqrt(D)`` for standard attention).
 
+    Every index the kernel follows is checked first: CPU tensors, dtypes, layouts and
+    shapes; ``Hq % Hkv``, ``D % 32``, ``block_size % 16``; the scratch size; every request's
+    query tokens within ``T``, its block-table row within the table, the table at least
+    ``ceil(seq_len / block_size)`` wide (all O(1), from the plan's maxima); and the block
+    ids it reads within ``[0, num_blocks)`` (:func:`check_block_table`, once per plan and
+    table). The plan itself was checked when it was made (:class:`VerifyPlan`).
+
     Raises:
         RuntimeError: the kernel is not available (:func:`load_kernel`).
-        VerifyAttentionError: unsupported shapes or dtypes (nothing written).
+        VerifyAttentionError: an argument the checks refuse, or the kernel's own error code
+            (:data:`ERROR_MESSAGES`, including running out of memory); nothing written.
     """
     lib = load_kernel()
     if lib is None:
         raise RuntimeError(kernel_error() or "the verification kernel is not loaded")
-    num_blocks, hkv, bs, two_d = kv_cache.shape
-    t, hq, d = query.shape
-    if (query.dtype != torch.float32 or out.dtype != torch.float32 or kv_cache.dtype != torch.float32
-            or block_table.dtype != torch.int32):
+    if query.dtype != _F32 or out.dtype != _F32 or kv_cache.dtype != _F32 or block_table.dtype != _I32:
         raise VerifyAttentionError("float32 query/out/cache and an int32 block table are required")
-    if two_d != 2 * d or out.shape != query.shape or hq % hkv:
-        raise VerifyAttentionError(f"shapes do not fit: query {tuple(query.shape)}, cache "
-                                   f"{tuple(kv_cache.shape)}, out {tuple(out.shape)}")
-    if (query.stride(2) != 1 or query.stride(1) != d or out.stride(2) != 1 or out.stride(1) != d
-            or not kv_cache.is_contiguous() or block_table.stride(1) != 1):
+    if not (query.is_cpu and out.is_cpu and kv_cache.is_cpu and block_table.is_cpu):
+        raise VerifyAttentionError("query, out, cache and block table must be CPU tensors")
+    qsh, csh, bsh = query.shape, kv_cache.shape, block_table.shape
+    if len(qsh) != 3 or len(csh) != 4 or len(bsh) != 2:
+        raise VerifyAttentionError(f"shapes do not fit: query {tuple(qsh)} must be [T, Hq, D], cache "
+                                   f"{tuple(csh)} [num_blocks, Hkv, block_size, 2 * D], block table "
+                                   f"{tuple(bsh)} [rows, max_blocks]")
+    num_blocks, hkv, bs, two_d = csh
+    t, hq, d = qsh
+    if out.shape != qsh:
+        raise VerifyAttentionError(f"out {tuple(out.shape)} must have query's shape {tuple(qsh)}")
+    if two_d != 2 * d or hkv < 1 or hq % hkv:
+        raise VerifyAttentionError(f"shapes do not fit: query {tuple(qsh)}, cache {tuple(csh)} (num_heads "
+                                   f"a multiple of num_kv_heads, the cache's last dim 2 * head_dim)")
+    if d < 32 or d % 32:
+        raise VerifyAttentionError(f"head_dim {d}: {ERROR_MESSAGES[-2]}")
+    if bs < 16 or bs % 16:
+        raise VerifyAttentionError(f"block_size {bs}: {ERROR_MESSAGES[-3]}")
+    qst, ost, bst = query.stride(), out.stride(), block_table.stride()
+    if (qst[2] != 1 or qst[1] != d or ost[2] != 1 or ost[1] != d or bst[1] != 1
+            or not kv_cache.is_contiguous()):
         raise VerifyAttentionError("query/out need contiguous heads, the cache and block table rows "
                                    "contiguous memory")
+    n = plan.num_reqs
+    if n:
+        if plan.max_q_end > t:
+            raise VerifyAttentionError(f"a request's query tokens end at {plan.max_q_end}, past the "
+                                       f"batch's {t} tokens")
+        if plan.max_bt_row >= bsh[0]:
+            raise VerifyAttentionError(f"block-table row {plan.max_bt_row} requested, the table has "
+                                       f"{bsh[0]} rows")
+        if (plan.max_seq_len + bs - 1) // bs > bsh[1]:
+            raise VerifyAttentionError(f"a context of {plan.max_seq_len} tokens needs "
+                                       f"{(plan.max_seq_len + bs - 1) // bs} blocks of {bs}, the block "
+                                       f"table is {bsh[1]} wide")
+        if plan.num_splits > 1:
+            need = plan.scratch_needed(hkv, hq // hkv, d)
+            if plan.scratch.numel() < need:
+                raise VerifyAttentionError(f"scratch holds {plan.scratch.numel()} floats, the kernel needs "
+                                           f"{need} for {plan.num_splits} splits")
+        if plan._checked.get("table") != _table_key(block_table, num_blocks, bs):
+            check_block_table(plan, block_table, num_blocks, bs)
+    qp, lp, sp, rp, scp = plan._ptrs
     rc = lib.tokenswift_verify_attention_f32(
-        query.data_ptr(), query.stride(0), out.data_ptr(), out.stride(0), kv_cache.data_ptr(),
-        block_table.data_ptr(), block_table.stride(0), plan.q_start.data_ptr(), plan.q_len.data_ptr(),
-        plan.seq_len.data_ptr(), plan.bt_row.data_ptr(), plan.num_reqs, hq, hkv, d, bs, float(scale),
-        plan.num_splits, plan.scratch.data_ptr())
+        query.data_ptr(), qst[0], out.data_ptr(), ost[0], kv_cache.data_ptr(), block_table.data_ptr(),
+        bst[0], qp, lp, sp, rp, n, hq, hkv, d, bs, float(scale), plan.num_splits, scp)
     if rc != 0:
-        raise VerifyAttentionError(f"the verification kernel refused the call (code {rc}: head_dim "
-                                   f"must be a multiple of 32, block_size of 16)")
+        raise VerifyAttentionError(f"the verification kernel refused the call (code {rc}): "
+                                   f"{error_message(rc)}")
 
 
 def reference_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,

@@ -80,17 +80,22 @@ def check_engine_config(vllm_config) -> None:
     patches, then :func:`vllm_tokenswift.core.config.validate` (the same validation the
     proposer runs in the worker: settings, verification method, pipeline and tensor
     parallelism, full attention, the budget against the resolved KV block size, the sink
-    and ``max_model_len``, the heads), then ``VLLM_PLUGINS``.
+    and ``max_model_len``, the heads), the drafting policy (a class path is imported and
+    checked here, :func:`vllm_tokenswift.core.policy.policy_class`), then ``VLLM_PLUGINS``.
+    Last, in an API server process, ``api-server-metrics`` is applied if it was not yet
+    (:func:`~vllm_tokenswift.patches.api_metrics.ensure_api_server_metrics`).
 
     Raises:
         TokenSwiftConfigError: one message naming the setting and the smallest (or
-            largest) valid value.
+            largest) valid value, or a drafting policy that does not resolve.
         TokenSwiftPatchError: a patch TokenSwift relies on is not active.
     """
     from vllm_tokenswift.core.config import TokenSwiftConfigError, validate
+    from vllm_tokenswift.core.policy import policy_class
 
     require_declared()
-    validate(vllm_config)
+    cfg = validate(vllm_config)
+    policy_class(cfg.policy)
     import vllm.envs as envs
 
     allowed = envs.VLLM_PLUGINS
@@ -209,8 +214,10 @@ PATCHES: tuple[Patch, ...] = (
         changes='rewrites speculative_config {"method": "tokenswift", ...} (also --spec-method tokenswift, '
                 "--speculative-model tokenswift) into method='custom_class' with the proposer's class path "
                 'and the validated settings in additional_config["tokenswift"]; adds the CLI flags; checks '
-                "the finished VllmConfig (block size, max_model_len, heads, attention type, patches) "
-                "before any engine-core or worker process starts",
+                "the finished VllmConfig (block size, max_model_len, heads, attention type, drafting policy, "
+                "patches) before any engine-core or worker process starts; and, in an API server process "
+                "whose server module was imported after the plugin loaded, applies api-server-metrics there "
+                "(whether it is needed is known only once the engine is created)",
         why="SpeculativeConfig.method is a closed Literal and the config forbids extra keys, so the "
             "method must be translated before vLLM builds it; the KV block size is final only once "
             "VllmConfig exists, and errors found later surface in a worker log",

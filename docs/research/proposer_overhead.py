@@ -2,7 +2,7 @@
 penalties, draft-probability buffers), excluding the target's draft forward, at several
 batch sizes. Runs vLLM in-process so the proposer object can be timed directly.
 
-    python examples/proposer_overhead.py --batch-sizes 1,8,32 --json out.json \\
+    python docs/research/proposer_overhead.py --batch-sizes 1,8,32 --json out.json \\
         [--tokenswift '{"policy": "paper"}']
 
 Run it from another checkout (``PYTHONPATH=/path/to/old/checkout``) to compare versions;
@@ -11,7 +11,7 @@ Run it from another checkout (``PYTHONPATH=/path/to/old/checkout``) to compare v
 SmolLM2-135M with its trained heads at the benchmark's k; ``--profile N`` adds cProfile's
 N costliest functions.
 
-    python examples/proposer_overhead.py --plot out.png before.json after.json ...
+    python docs/research/proposer_overhead.py --plot out.png before.json after.json ...
 
 draws the ``own_ms_per_step`` of several saved runs side by side (one bar group per
 sampling and batch size; labels from the file names) without starting vLLM.
@@ -71,7 +71,10 @@ def main() -> None:
     runner = core.model_executor.driver_worker.worker.model_runner
     prop = runner.drafter
     calls = {"n": 0, "t": 0.0}
-    orig = prop.propose_with_runner
+    # the runner patch looks ``propose_step`` up on the proposer every step, so an instance
+    # attribute wraps it (older checkouts: ``propose_with_runner``)
+    entry = "propose_step" if hasattr(prop, "propose_step") else "propose_with_runner"
+    orig = getattr(prop, entry)
 
     def timed(*a, **k):
         t = time.perf_counter()
@@ -81,7 +84,7 @@ def main() -> None:
             calls["t"] += time.perf_counter() - t
             calls["n"] += 1
 
-    prop.propose_with_runner = timed
+    setattr(prop, entry, timed)
     prof = None
     if args.profile:
         import cProfile
@@ -89,7 +92,7 @@ def main() -> None:
         def profiled(*a, _inner=timed, **k):
             return _inner(*a, **k) if prof is None else prof.runcall(_inner, *a, **k)
 
-        prop.propose_with_runner = profiled
+        setattr(prop, entry, profiled)
     results = []
     for samp in args.sampling.split(","):
         if samp == "greedy":
@@ -105,7 +108,7 @@ def main() -> None:
             prompts = [TokensPrompt(prompt_token_ids=book[i * 97: i * 97 + args.prefix_len]) for i in range(bs)]
             prof = None                      # the warm-up is neither timed nor profiled
             llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-            prop.stats.__init__()
+            prop.stats.reset() if hasattr(prop.stats, "reset") else prop.stats.__init__()
             calls.update(n=0, t=0.0)
             if args.profile:
                 prof = cProfile.Profile()

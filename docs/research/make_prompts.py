@@ -11,8 +11,8 @@ line break (preferably a paragraph or sentence end) so that, under the demo mode
 
 Usage::
 
-    python examples/make_prompts.py [--data train.jsonl] [--tokenizer vllm_tokenswift/assets/demo-model]
-                                    [--out vllm_tokenswift/assets/prompts]
+    python docs/research/make_prompts.py [--data train.jsonl] [--tokenizer vllm_tokenswift/assets/demo-model]
+                                         [--out vllm_tokenswift/assets/prompts]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import json
 import re
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]    # docs/research/ -> the checkout
 
 # (PG id, marker where the prompt starts: the first occurrence followed by prose, so that a
 # table-of-contents entry with the same text is skipped, see find_start)
@@ -127,7 +127,7 @@ def main(argv=None):
         "* `<id>-2k.txt`: about 2,048 tokens",
         "* `<id>-short.txt`: about 512 tokens (for generating 4K+ tokens with the 4K-trained demo model)",
         "",
-        "Regenerate with `python examples/make_prompts.py`.",
+        "Regenerate with `python docs/research/make_prompts.py`.",
         "",
         "| PG id | Title | Start (char offset) | `<id>.txt` tokens | `-2k` tokens | `-short` tokens | In demo-model training data |",
         "| ---: | --- | ---: | ---: | ---: | ---: | --- |",

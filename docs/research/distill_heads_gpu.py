@@ -7,7 +7,7 @@ distribution, Medusa-2's objective; README "Training heads") at about 16 times t
 ``prepare`` (here, on the CPU; needs the tokenizer)
     Cuts the prompts from the books and writes them as token ids to one ``.npz``:
     ``train_prompts`` ``[N, P]`` (256-token windows at seeded offsets of the first 101 books,
-    the rule of ``examples/generate_distill_data.py``), ``heldout_prompts`` ``[M, P]`` (the
+    the rule of ``docs/research/generate_distill_data.py``), ``heldout_prompts`` ``[M, P]`` (the
     two held-out books, seed 1) and ``heldout_windows`` ``[W, 2048]`` (book text, the first
     windows of the held-out books, as ``eval-heads --windows-per-doc 4`` cuts them).
     All ``uint16`` (SmolLM2's vocabulary has 49,152 tokens).
@@ -30,9 +30,9 @@ distribution, Medusa-2's objective; README "Training heads") at about 16 times t
 ``run --smoke`` builds a random 2-layer Llama and runs every stage in seconds (checks the
 machine's transformers/torch before the real run).
 
-    python examples/distill_heads_gpu.py prepare --books ../shared/data/pg-books/train.jsonl \\
+    python docs/research/distill_heads_gpu.py prepare --books ../shared/data/pg-books/train.jsonl \\
         --num 768 --out .gpub/prompts.npz
-    python examples/distill_heads_gpu.py run --gguf-parts .gpua/part0 .gpub/part1 \\
+    python docs/research/distill_heads_gpu.py run --gguf-parts .gpua/part0 .gpub/part1 \\
         --gguf-sha256 HEX --prompts .gpub/prompts.npz --out $OUT
 """
 
@@ -49,7 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]    # docs/research/ -> the checkout
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 

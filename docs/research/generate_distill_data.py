@@ -6,7 +6,7 @@ and continues it with vLLM (plain decoding, batched) for ``--gen-len`` tokens. O
 JSON Lines with ``{"text": prefix + continuation, "book": id, "offset": int}``, usable as
 ``vllm-tokenswift train-heads --data OUT --targets distill``.
 
-    python examples/generate_distill_data.py --model "$(vllm-tokenswift paths --model)" \\
+    python docs/research/generate_distill_data.py --model "$(vllm-tokenswift paths --model)" \\
         --books ../shared/data/pg-books/train.jsonl --max-books 101 --num 64 --out runs/distill.jsonl
 """
 

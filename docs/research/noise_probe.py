@@ -14,8 +14,8 @@ Run it several times, alternating any environment change, to see whether the cha
 the figures by more than they move on their own, e.g. transparent huge pages for PyTorch's
 CPU allocations::
 
-    python examples/noise_probe.py
-    THP_MEM_ALLOC_ENABLE=1 python examples/noise_probe.py
+    python docs/research/noise_probe.py
+    THP_MEM_ALLOC_ENABLE=1 python docs/research/noise_probe.py
 
 On 2026-12-02 (README, Benchmark): 138-161 ms per token over 3 engines x 3 runs, child
 CPU time 1.57-1.64x the wall time in every run and moving with it, steal time 1-6% of
@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--prefix-len", type=int, default=2048)
-    ap.add_argument("--books", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",
+    ap.add_argument("--books", default=os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data",
                                                     "pg-books", "train.jsonl"))
     args = ap.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")

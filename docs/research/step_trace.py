@@ -12,7 +12,7 @@ proposer decided for the *next* step: rows taking the draft forward (F), the fus
 milliseconds of the draft forward and fused heads. Prints a table per method grouped by
 that decision, and per number of scheduled tokens.
 
-    python examples/step_trace.py --methods ar,ts --batch-size 8 --new-tokens 1024 --sampling paper
+    python docs/research/step_trace.py --methods ar,ts --batch-size 8 --new-tokens 1024 --sampling paper
 
 The methods run one after another (not interleaved), so compare their per-step figures,
 not their wall times, and only within one invocation. With ``--rounds R`` (R > 1) every
@@ -25,7 +25,7 @@ where a per-step gap between two engines lies, and whether it grows with the out
 A last table splits every run's steps by width (plain, drafts verified, the batch's tail,
 prefill); ``--from-json FILE`` prints all tables again from a run saved with ``--json``.
 
-    python examples/step_trace.py --model tiny --k 4 --methods ar,ts-empty,ts \
+    python docs/research/step_trace.py --model tiny --k 4 --methods ar,ts-empty,ts \
         --batch-size 1 --new-tokens 16384 --rounds 2
 """
 
@@ -79,16 +79,19 @@ def _instrument(worker):
     if d is not None and hasattr(d, "_hand_over"):
         hand_over = d._hand_over
 
-        def _hand_over(runner, plan, drafts, out):
-            hand_over(runner, plan, drafts, out)
+        def _hand_over(step, plan, drafts):
+            # the proposer's step 5: (StepInput, StepPlan, Drafts) -> StepProposal; each row's
+            # decision is in its state's ``last`` proposal once the original has run
+            proposal = hand_over(step, plan, drafts)
             kinds = _c.Counter(r_.state.last.kind for r_ in plan.rows)
             if r._trace_cur is not None:
                 r._trace_cur.update({
                     "F": kinds.get("forward", 0), "U": kinds.get("fused", 0), "N": kinds.get("ngram", 0),
-                    "forced": sum(1 for r_ in plan.rows if r_.forced),
-                    "drafted": sum(len(out[r_.batch_row]) for r_ in plan.rows),
+                    "forced": sum(1 for f in plan.forced if f),
+                    "drafted": sum(len(proposal.draft_token_ids[r_.batch_row]) for r_ in plan.rows),
                     "fwd": drafts.forward[0] if drafts.forward else 0.0,
                     "fused": drafts.fused[0] if drafts.fused else 0.0})
+            return proposal
 
         d._hand_over = _hand_over
     return True
