@@ -3,7 +3,7 @@
 # TokenSwift's output and speed as they were). Each round runs the same benchmark once per
 # tree, alternating, each in its own process with PYTHONPATH pointing at that tree (vLLM's
 # worker processes inherit it, and the plugin's entry point resolves there).
-#   BEFORE=/tmp/ab-before AFTER=$PWD bash scripts/ab-trees.sh smollm2-2k|tiny-32k [ROUNDS]
+#   BEFORE=/tmp/ab-before AFTER=$PWD [FIRST=N] bash scripts/ab-trees.sh smollm2-2k|tiny-32k [ROUNDS]
 # Writes OUT/<block>/<tree>-r<round>/ (bench results with saved tokens) and prints the
 # per-round ratios after/before with token identity (scripts/ab-trees-report.py).
 set -euo pipefail
@@ -14,13 +14,14 @@ OUT=${OUT:-docs/bench/restructure-ab}
 PY=${PY:-.venv/bin/python}
 block=$1
 rounds=${2:-2}
+first=${FIRST:-1}
 case "$block" in
   smollm2-2k) ARGS=(--model smollm2 --gen-lens 2048 --batch-sizes 1) ;;
   tiny-32k) ARGS=(--model tiny --yarn 5 --book 28054 --prefix-len 32768 --gen-lens 1024
                   --engine-arg enable_prefix_caching=true --kv-cache-gb 1.5) ;;
   *) echo "unknown block $block" >&2; exit 2 ;;
 esac
-for r in $(seq 1 "$rounds"); do
+for r in $(seq "$first" "$((first + rounds - 1))"); do
   for tree in before after; do
     dir=$BEFORE; [ "$tree" = after ] && dir=$AFTER
     echo "== $block round $r: $tree ($dir) $(date -u +%H:%M)"
