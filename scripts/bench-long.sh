@@ -10,17 +10,22 @@
 #   probe-96k      the probe at 96K only (kv_budget 1024, both kernels)                     (~80)
 #   probe-smollm2  cost probe, SmolLM2 with YaRN x4 at 8K and 16K, the paper's sampling, both
 #                  kernels and plain vLLM (12 min at 8K, 37 at 16K on 2026-12-04)          (~50)
-#   context-8k context-32k context-64k context-96k   (METHODS may add ar-vk: plain decoding on the kernel)
+#   context-8k context-32k context-64k context-96k
 #                  demo model, YaRN x5, a prefix of The Brothers Karamazov (held out), 1,024
-#                  tokens, AR / TokenSwift / suffix / ngram, greedy and the paper's sampling,
-#                  2 paired rounds (~15 / 30 / 40 / 60 at 2026-12-04's prefill speed)
-#   length         demo model, YaRN x2, 2K prefix, 32K tokens in one request, AR / TokenSwift /
-#                  suffix, both samplings, figures per 8K segment (ar,tokenswift,suffix-vk:
-#                  24 greedy, 32 paper's sampling on 2026-12-04)                          (~60)
+#                  tokens, greedy and the paper's sampling, 2 paired rounds; methods: plain
+#                  vLLM (ar), plain decoding on the plugin's kernel (ar-vk), TokenSwift
+#                  (adaptive), TokenSwift with the paper's drafting, the paper's TriForce* and
+#                  Medusa* baselines, suffix and ngram, all but ar on the kernel
+#                  (~40 / 80 / 110 / 160 with all eight methods; METHODS=... for fewer)
+#   length         demo model, YaRN x2, 2K prefix, 32K tokens in one request, ar-vk /
+#                  TokenSwift / TriForce* / suffix, both samplings, figures per 8K segment
+#                  (three methods: 24 greedy, 32 paper's sampling on 2026-12-04)          (~80)
 #   budget         demo model, 64K prefix: kv_budget 512 / 1024 / 4096 / full (the paper's
 #                  Table 5), the paper's sampling                                            (~30)
 #   budget-paper   the same with the paper's drafting (policy "paper": the draft forward every
 #                  step), so each budget's acceptance is measured on every step            (~30)
+#   budget-triforce  the same budgets with TriForce* (a self-speculative chain every step),
+#                  giving the target's own per-position acceptance over each view          (~30)
 #   smollm2        SmolLM2-135M, YaRN x4, 2K prefix, 16K tokens, AR / TokenSwift, both
 #                  samplings, figures per 4K segment                                         (~80)
 # Prefix caching is on, so a prefix is prefilled once per engine, not once per run; the
@@ -34,10 +39,11 @@ BOOK=28054
 COMMON=(--quiet --engine-arg enable_prefix_caching=true --kv-cache-gb 1.5)
 
 # METHODS and REPEATS override the context blocks' methods and paired rounds (METHODS also
-# the length block's; SAMPLINGS="paper" runs the length block for one sampling)
+# the length block's; SAMPLINGS="paper" runs the context and length blocks for one sampling)
 context() {   # context PREFIX_TOKENS NAME
   $VT bench --model tiny --yarn 5 --book $BOOK --prefix-len "$1" --gen-lens 1024 \
-    --methods "${METHODS:-ar,tokenswift,suffix,ngram}" --sampling greedy,paper --interleave \
+    --methods "${METHODS:-ar,ar-vk,tokenswift,tokenswift-paper,triforce,medusa,suffix-vk,ngram-vk}" \
+    --sampling "${SAMPLINGS:-greedy,paper}" --interleave \
     --repeats "${REPEATS:-2}" \
     "${COMMON[@]}" --out "$OUT/$2"
 }
@@ -62,7 +68,7 @@ for block in "$@"; do
     length)   # one invocation per sampling (each ~25-35 min), so each lands on its own
       for s in ${SAMPLINGS:-greedy paper}; do
         $VT bench --model tiny --yarn 2 --book $BOOK --prefix-len 2048 --gen-lens 32768 \
-          --methods "${METHODS:-ar,tokenswift,suffix-vk}" --sampling $s --interleave --segment-tokens 8192 \
+          --methods "${METHODS:-ar-vk,tokenswift,triforce,suffix-vk}" --sampling $s --interleave --segment-tokens 8192 \
           "${COMMON[@]}" --out "$OUT/length-32k-$s"
       done ;;
     budget)
@@ -73,6 +79,11 @@ for block in "$@"; do
       $VT bench --model tiny --yarn 5 --book $BOOK --prefix-len 65536 --gen-lens 1024 \
         --methods ar,tokenswift-b512,tokenswift,tokenswift-b4096,tokenswift-fullkv --sampling paper \
         --interleave --tokenswift '{"policy": "paper"}' "${COMMON[@]}" --out "$OUT/budget-64k-paper-policy" ;;
+    budget-triforce)
+      $VT bench --model tiny --yarn 5 --book $BOOK --prefix-len 65536 --gen-lens 1024 \
+        --methods ar-vk,tokenswift-b512,tokenswift,tokenswift-b4096,tokenswift-fullkv --sampling paper \
+        --interleave --tokenswift '{"policy": "triforce", "use_heads": false, "ngram_topk": 0, "chain_length": 2}' \
+        "${COMMON[@]}" --out "$OUT/budget-64k-triforce" ;;
     smollm2)
       $VT bench --model smollm2 --yarn 4 --prefix-len 2048 --gen-lens 16384 --methods ar,tokenswift \
         --sampling greedy,paper --interleave --segment-tokens 4096 "${COMMON[@]}" --out "$OUT/smollm2-16k" ;;

@@ -4,12 +4,14 @@ inside vLLM equals vLLM without speculation.
 Greedy: token-identical outputs for >= 2,048 new tokens per request, on a Llama-style
 GQA model (``policy="paper"``: the draft forward every step) and a Qwen2-style model (qkv
 bias, tied embeddings, MHA; ``policy="cycle"``: every request switches between the draft
-forward, fused heads, n-gram chains and no draft from step to step, per-layer views), with
+forward, self-speculative chains, fused heads, n-gram chains and no draft from step to
+step, per-layer views), with
 prompts longer than the draft KV budget (so the view is re-selected several times), with and
 without the windowed repetition penalty, for 8 prompts of different lengths and max_tokens (the
 modes of the first two pairs run as one batch of 24 requests). vLLM defaults (prefix caching,
 chunked prefill) stay on; a third engine pair uses a small max_num_batched_tokens (prefill is chunked for real) and a KV cache too small
-for the batch, so requests are preempted and resumed (default adaptive policy).
+for the batch, so requests are preempted and resumed (``policy="triforce"``: a
+self-speculative chain every step, its K/V in the lookahead slots).
 One file per engine pair, so that the test workers can run the pairs side by side.
 """
 
@@ -107,5 +109,6 @@ def check_view_reselected_and_drafts_counted(runs):
     # vLLM's own spec-decode metrics count TokenSwift's drafts
     assert metrics["vllm:spec_decode_num_drafts"] == stats["verified_drafts"]
     assert metrics["vllm:spec_decode_num_accepted_tokens"] == stats["accepted_tokens"]
-    assert stats["accepted_tokens"] == stats["accepted_heads"] + stats["accepted_ngram"] + stats["accepted_fused"]
+    assert stats["accepted_tokens"] == (stats["accepted_heads"] + stats["accepted_ngram"] + stats["accepted_fused"]
+                                        + stats["accepted_chain"])
     assert stats["accepted_tokens"] > 0

@@ -1,4 +1,6 @@
-"""Lossless end-to-end, chunked prefill and preemption (small max_num_batched_tokens and KV cache, adaptive policy) (see ``lossless_utils``)."""
+"""Lossless end-to-end, chunked prefill and preemption (small max_num_batched_tokens and KV cache,
+``policy="triforce"``: a self-speculative chain every step, written into the lookahead slots)
+(see ``lossless_utils``)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ def chunked_runs(tmp_path_factory):
     # ~12K tokens of KV for 8 requests of up to 3.3K tokens: preemption is certain
     return run_pair(str(model), str(heads), tmp_extra={"max_num_batched_tokens": 256, "max_num_seqs": 8,
                                                        "kv_cache_memory_bytes": 12 * 2**20},
-                    modes=(None, "window"))   # the global penalty is covered by the other pairs
+                    ts_over={"policy": "triforce", "chain_length": 3}, modes=(None, "window"))   # the global penalty is covered by the other pairs
 
 
 @pytest.mark.parametrize("mode", [None, "window"])
@@ -29,3 +31,8 @@ def test_preemption_happened(chunked_runs):
     base, out, stats, metrics = chunked_runs
     assert metrics["vllm:num_preemptions"] > 0
     assert stats["num_live_requests"] <= 1
+    # chains on every drafting step, several forwards each, and accepted
+    kinds = stats["steps_by_kind"]
+    assert kinds["chain"] > 1000 and kinds["forward"] == kinds["fused"] == kinds["ngram"] == 0, kinds
+    assert stats["chain_forward_rows"] > 2 * kinds["chain"] and stats["accepted_chain"] > 0
+    assert stats["skipped_no_slot"] == 0

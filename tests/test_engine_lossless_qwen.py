@@ -14,7 +14,7 @@ def qwen_runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("qwen2")
     model = build_tiny_model(d / "model", "qwen2", vocab_size=VOCAB, hidden_size=128, heads=4)
     heads = build_random_heads(d / "heads", 128, seed=3)
-    # every request switches between all four options step by step, per-layer views
+    # every request switches between all five options step by step, per-layer views
     return run_pair(str(model), str(heads), ts_over={"view_granularity": "layer", "policy": "cycle"})
 
 
@@ -29,5 +29,6 @@ def test_view_reselected_and_drafts_counted(qwen_runs):
 
 def test_cycle_policy_used_every_option(qwen_runs):
     stats = qwen_runs[2]
-    assert all(stats["steps_by_kind"][k] > 1000 for k in ("forward", "fused", "none")), stats["steps_by_kind"]
-    assert stats["accepted_by_kind"]["forward"] > 0
+    assert all(stats["steps_by_kind"][k] > 1000 for k in ("forward", "chain", "fused", "none")), stats["steps_by_kind"]
+    assert stats["accepted_by_kind"]["forward"] > 0 and stats["accepted_by_kind"]["chain"] > 0
+    assert stats["chain_forward_rows"] >= stats["steps_by_kind"]["chain"]

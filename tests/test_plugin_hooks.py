@@ -71,6 +71,6 @@ def test_min_p_kept_and_warning_dropped_on_tokenswift_only(configs):
 
 
 def test_lookahead_slot_only_for_tokenswift(configs):
-    assert configs["ts"].num_lookahead_tokens == 1
+    assert configs["ts"].num_lookahead_tokens == 4      # num_speculative_tokens: the chains write them
     assert configs["ngram"].num_lookahead_tokens == 0
     assert configs["plain"].num_lookahead_tokens == 0

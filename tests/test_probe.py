@@ -294,7 +294,7 @@ def test_segments_from_real_plugin_snapshots():
     snaps.append(_snap(1.0, 31, 11, 10, 20, _plugin_snapshot(stats, 4, 31)))
     rows = segments.segments_from_snapshots(snaps, list(range(31)), 4)
     assert [(r["start"], r["end"], r["tokens"], r["steps"]) for r in rows] == [(1, 31, 30, 10)]
-    assert rows[0]["steps_by_kind"] == {"forward": 0, "fused": 0, "ngram": 10, "none": 0}
+    assert rows[0]["steps_by_kind"] == {"forward": 0, "chain": 0, "fused": 0, "ngram": 10, "none": 0}
     assert rows[0]["history_tokens"] == 31 and rows[0]["ngram_entries"] == 62
     assert rows[0]["acceptance_rate"] == pytest.approx(20 / (4 * 10))
 

@@ -59,6 +59,14 @@ TOKENSWIFT_VARIANTS: dict[str, dict[str, Any]] = {
     "tokenswift-nofused": {"fused_heads": False},  # adaptive policy without the fused-heads option
     "tokenswift-b512": {"kv_budget": 512},         # the draft KV budget (the paper's Table 5)
     "tokenswift-b4096": {"kv_budget": 4096},
+    # the paper's Table 3 baselines on the same kernel and verifier: TriForce* (the target
+    # drafting token by token over its dynamic budgeted view every step, no heads, no
+    # n-grams; chains of 2 forwards, or 1 / 4) and Medusa* (the heads on the verification
+    # forward's hidden state every step, no n-grams)
+    "triforce": {"policy": "triforce", "use_heads": False, "ngram_topk": 0, "chain_length": 2},
+    "triforce-1": {"policy": "triforce", "use_heads": False, "ngram_topk": 0, "chain_length": 1},
+    "triforce-4": {"policy": "triforce", "use_heads": False, "ngram_topk": 0, "chain_length": 4},
+    "medusa": {"policy": "medusa", "ngram_topk": 0},
 }
 
 #: vLLM n-gram (prompt lookup) settings. ``ngram``: vLLM's documented example;

@@ -46,6 +46,7 @@ DEFAULT_MIX = 0.5
 SOURCE_HEADS = 0   # l_0..l_3 of the draft forward
 SOURCE_NGRAM = 1   # n-gram table
 SOURCE_FUSED = 2   # heads applied to the verification forward's hidden state (no draft forward)
+SOURCE_CHAIN = 3   # l_0 of each forward of a self-speculative chain (the target over its view)
 
 
 @dataclass

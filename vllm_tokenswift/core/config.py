@@ -37,7 +37,7 @@ VERIFY_ATTENTION_OPT_IN_KEY = "tokenswift_verify_attention"
 
 #: The drafting policies the plugin ships (:data:`vllm_tokenswift.core.policy.POLICIES`); a
 #: ``"package.module:Class"`` path names another :class:`~vllm_tokenswift.core.policy.DraftingPolicy`.
-BUILTIN_POLICIES = ("adaptive", "paper", "cycle")
+BUILTIN_POLICIES = ("adaptive", "paper", "cycle", "triforce", "medusa")
 _CLASS_PATH = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*")
 
 #: Number of dependent draft heads of a TokenSwift checkpoint (paper Sec 3.2).
@@ -169,11 +169,19 @@ class TokenSwiftConfig(BaseModel):
             budgeted view, fused heads (no extra forward; heads applied to the verification
             forward's hidden state), an n-gram chain alone, or no draft; and the chain
             length. ``"paper"``: the draft forward every step with the paper's chain
-            (ablations). ``"cycle"`` (diagnostics and tests): every request rotates through
-            the four options step by step. ``"package.module:Class"``: a subclass of
+            (ablations). ``"triforce"``: a self-speculative chain of ``chain_length`` draft
+            forwards every step, no heads, no n-grams (the paper's TriForce* baseline, Table 3).
+            ``"medusa"``: the heads on the verification forward's hidden state every step (the
+            paper's Medusa* baseline). ``"cycle"`` (diagnostics and tests): every request
+            rotates through the five options step by step. ``"package.module:Class"``: a subclass of
             :class:`vllm_tokenswift.core.policy.DraftingPolicy` (the cost probe's policy is
             one, ``vllm_tokenswift.bench.probe_policy:ProbePolicy``); it is imported and
             checked in the front end when the engine is created.
+        chain_length: the most draft forwards of one self-speculative chain (the ``chain``
+            option: the target drafts token by token over its budgeted view, each forward
+            over the view plus the chain drafted so far); ``policy="triforce"`` drafts exactly
+            this many per step. Default (None): ``num_speculative_tokens``. At most
+            ``num_speculative_tokens``; 0 turns the option off for the adaptive policy.
         fused_heads: Allow the fused-heads option under ``policy="adaptive"``
             (beyond the paper; off for the ablation).
         policy_tuning: :class:`PolicyTuning`, the adaptive policy's advanced settings
@@ -206,6 +214,7 @@ class TokenSwiftConfig(BaseModel):
     draft_penalty: bool = True
     ngram_min_conf: float = Field(0.3, ge=0.0, le=1.0)
     policy: str = "adaptive"
+    chain_length: int | None = Field(None, ge=0, le=64)
     fused_heads: bool = True
     policy_tuning: PolicyTuning = Field(default_factory=PolicyTuning)
     heads: str | None = None
@@ -245,12 +254,24 @@ class TokenSwiftConfig(BaseModel):
                 f"{self.num_heads + 1} distributions (l_0..l_{self.num_heads}); use e.g. "
                 f"{[1] + [3] * self.num_heads}"
             )
+        if self.chain_length is not None and self.chain_length > self.num_speculative_tokens:
+            raise ValueError(
+                f"chain_length={self.chain_length} exceeds num_speculative_tokens="
+                f"{self.num_speculative_tokens}: a chain drafts one token per forward and vLLM "
+                f"verifies at most num_speculative_tokens (use chain_length <= "
+                f"{self.num_speculative_tokens})")
         if self.use_heads and self.num_heads > 0 and not self.heads:
             raise ValueError(
                 'use_heads is true but no heads checkpoint was given: set the speculative '
                 'config\'s "model" to a heads folder (or "tokenswift": {"use_heads": false})'
             )
         return self
+
+    @property
+    def max_chain_length(self) -> int:
+        """Most draft forwards of one self-speculative chain (:attr:`chain_length`, default
+        ``num_speculative_tokens``; 0: no chains)."""
+        return self.num_speculative_tokens if self.chain_length is None else self.chain_length
 
     @property
     def num_draft_distributions(self) -> int:

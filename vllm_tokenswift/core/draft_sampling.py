@@ -52,6 +52,40 @@ def penalty_mask(st, token_row: np.ndarray, pos: int, v: int, device) -> torch.T
     return st.pen_counts > 0
 
 
+def chain_penalty_mask(st, token_row: np.ndarray, pos: int, chain: Sequence[int], v: int,
+                       device) -> torch.Tensor:
+    """``[V]`` bool: the penalty history of the draft position after ``chain``, the chain's
+    own earlier tokens counted as verification counts them.
+
+    Verification samples the token at position ``pos + j + 1`` (``j = len(chain)``) with
+    the penalty over the last ``st.window`` tokens before it: the request's tokens up to
+    ``pos`` and the chain's ``j`` tokens at ``pos + 1 .. pos + j``; with a window the
+    ``j`` oldest tokens of the window at ``pos`` leave it. Starts from the incremental
+    counts of :func:`penalty_mask` at ``pos`` (which it brings up to date) and adjusts a
+    copy; ``chain=[]`` is :func:`penalty_mask` itself.
+
+    Args:
+        st, token_row, pos, v, device: as :func:`penalty_mask`.
+        chain: the draft tokens already drawn at ``pos + 1 ..`` (ids >= ``v`` ignored).
+    """
+    base = penalty_mask(st, token_row, pos, v, device)
+    j = len(chain)
+    if not j:
+        return base
+    counts = st.pen_counts.clone()
+    hi = pos + 1 + j                       # the window ends before position pos + j + 1
+    lo = max(0, hi - st.window) if st.window else 0
+    if lo > st.pen_lo:                     # request tokens that left the window
+        gone = token_row[st.pen_lo: min(lo, pos + 1)].astype(np.int64)
+        gone = torch.as_tensor(gone[gone < v], device=device)
+        counts.index_add_(0, gone, torch.full_like(gone, -1, dtype=torch.int32))
+    new = [int(t) for t in chain[max(0, lo - (pos + 1)):] if int(t) < v]   # chain tokens in it
+    if new:
+        add = torch.as_tensor(new, dtype=torch.long, device=device)
+        counts.index_add_(0, add, torch.ones_like(add, dtype=torch.int32))
+    return counts > 0
+
+
 def apply_repetition_penalty(logits: torch.Tensor, mask: torch.Tensor, penalties: torch.Tensor) -> torch.Tensor:
     """vLLM's repetition penalty rule on ``logits`` ``[R, V]`` (in place): where ``mask``
     ``[R, V]`` is set, a positive logit is divided by the row's penalty ``penalties`` ``[R]``
@@ -64,12 +98,16 @@ def apply_repetition_penalty(logits: torch.Tensor, mask: torch.Tensor, penalties
 
 
 def draft_distributions(states: Sequence, token_rows: Sequence[np.ndarray], positions: Sequence[int],
-                        logits: torch.Tensor, *, filters: bool = True) -> torch.Tensor:
+                        logits: torch.Tensor, *, filters: bool = True,
+                        chains: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
     """The draft distributions q of ``n`` requests: softmax of their draft logits after each
     request's repetition penalty (windowed or global), temperature and min_p, applied as the
     target's sampler applies them (Sec 3.4). The penalty history is the request's tokens up
-    to the newest (:func:`penalty_mask`); the chain's own earlier draft tokens are not added
-    (an approximation on the draft side: it changes acceptance, never the output).
+    to the newest (:func:`penalty_mask`); for the heads' later distributions the chain's own
+    earlier draft tokens are not added (an approximation on the draft side: it changes
+    acceptance, never the output). A self-speculative chain passes ``chains``: its
+    distributions (``D = 1``) then count the chain drawn so far exactly as verification
+    will (:func:`chain_penalty_mask`).
 
     Args:
         states: per request, its ``RequestState`` (``repetition_penalty``, ``window``,
@@ -77,6 +115,8 @@ def draft_distributions(states: Sequence, token_rows: Sequence[np.ndarray], posi
         token_rows, positions: per request, its token ids and the newest token's position.
         logits: ``[n, D, V]`` float32 draft logits (``l_0..l_{D-1}``); modified.
         filters: False: plain softmax (the ``draft_penalty=false`` ablation).
+        chains: per request, the draft tokens already drawn before this distribution's
+            position (None: none).
     Returns:
         ``[n, D, V]`` float32, rows summing to 1.
     """
@@ -85,7 +125,11 @@ def draft_distributions(states: Sequence, token_rows: Sequence[np.ndarray], posi
     n, ndist, v = logits.shape
     pen = [k for k, st in enumerate(states) if st.repetition_penalty != 1.0]
     if pen:
-        mask = torch.stack([penalty_mask(states[k], token_rows[k], positions[k], v, logits.device) for k in pen])
+        if chains is None:
+            mask = torch.stack([penalty_mask(states[k], token_rows[k], positions[k], v, logits.device) for k in pen])
+        else:
+            mask = torch.stack([chain_penalty_mask(states[k], token_rows[k], positions[k], chains[k], v,
+                                                   logits.device) for k in pen])
         idx = torch.as_tensor(pen, dtype=torch.long, device=logits.device)
         sub = logits[idx].reshape(len(pen) * ndist, v)
         pens = torch.as_tensor([states[k].repetition_penalty for k in pen], dtype=torch.float32,

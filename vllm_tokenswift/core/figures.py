@@ -124,10 +124,11 @@ def counter_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
     return d
 
 
-#: The drafting policy's step kinds, in the order reports show them (``metrics.STEP_KINDS``:
+#: The drafting policy's step kinds, in the order reports show them (``core.step.KINDS``:
 #: draft forward over the budgeted view, fused heads on the verification forward's hidden
-#: state, an n-gram chain alone, no draft).
-STEP_KINDS = ("forward", "fused", "ngram", "none")
+#: state, an n-gram chain alone, no draft, then the self-speculative chain, shown only
+#: where it was taken, so that the four-kind mixes of earlier runs read as before).
+STEP_KINDS = ("forward", "fused", "ngram", "none", "chain")
 
 
 def decision_mix_fractions(steps_by_kind: dict | None) -> dict[str, float] | None:
@@ -136,7 +137,8 @@ def decision_mix_fractions(steps_by_kind: dict | None) -> dict[str, float] | Non
     ``steps_by_kind`` holds counts (or fractions already: the result is the same)."""
     if not isinstance(steps_by_kind, dict):
         return None
-    kinds = list(STEP_KINDS) + sorted(k for k in steps_by_kind if k not in STEP_KINDS)
+    kinds = [k for k in STEP_KINDS if k != "chain" or k in steps_by_kind]
+    kinds += sorted(k for k in steps_by_kind if k not in STEP_KINDS)
     counts = {k: max(0.0, float(steps_by_kind.get(k) or 0)) for k in kinds}
     total = sum(counts.values())
     if total <= 0:
@@ -145,12 +147,14 @@ def decision_mix_fractions(steps_by_kind: dict | None) -> dict[str, float] | Non
 
 
 def format_decision_mix(steps_by_kind: dict | None) -> str | None:
-    """``"62/20/15/3"``: percent of request-steps that were forward/fused/ngram/none
-    (:data:`STEP_KINDS` order), or None without steps."""
+    """``"62/20/15/3"``: percent of request-steps that were forward/fused/ngram/none, then
+    ``/chain`` where any step took a self-speculative chain (``"40/0/10/20/30"``;
+    :data:`STEP_KINDS` order), or None without steps."""
     frac = decision_mix_fractions(steps_by_kind)
     if not frac:
         return None
-    return "/".join(f"{100 * frac[k]:.0f}" for k in STEP_KINDS)
+    kinds = STEP_KINDS if frac.get("chain", 0.0) > 0 else STEP_KINDS[:4]
+    return "/".join(f"{100 * frac[k]:.0f}" for k in kinds)
 
 
 def _sum_dicts(ds: Iterable[Any]) -> dict | None:

@@ -23,16 +23,17 @@ import logging
 import time
 from dataclasses import asdict, dataclass, field
 
-from vllm_tokenswift.core.chain import SOURCE_FUSED, SOURCE_HEADS, SOURCE_NGRAM
+from vllm_tokenswift.core.chain import SOURCE_CHAIN, SOURCE_FUSED, SOURCE_HEADS, SOURCE_NGRAM
+from vllm_tokenswift.core.step import KINDS
 
 logger = logging.getLogger("vllm_tokenswift")
 
-#: What the drafting policy did for one request in one step (``policy.StepKind``):
-#: the draft forward over the budgeted view, fused heads on the verification
-#: forward's hidden state, an n-gram chain alone, or no draft at all.
-STEP_KINDS = ("forward", "fused", "ngram", "none")
+#: What the drafting policy did for one request in one step (``core.step.KINDS``): the
+#: draft forward over the budgeted view, a self-speculative chain, fused heads on the
+#: verification forward's hidden state, an n-gram chain alone, or no draft at all.
+STEP_KINDS = KINDS
 #: Which predictor proposed a draft token.
-SOURCE_NAMES = {SOURCE_HEADS: "heads", SOURCE_NGRAM: "ngram", SOURCE_FUSED: "fused"}
+SOURCE_NAMES = {SOURCE_HEADS: "heads", SOURCE_NGRAM: "ngram", SOURCE_FUSED: "fused", SOURCE_CHAIN: "chain"}
 
 
 @dataclass
@@ -53,6 +54,10 @@ class TokenSwiftStats:
     accepted_per_pos: list[int] = field(default_factory=list)
     draft_tokens_fused: int = 0     # ... from fused heads (no draft forward)
     accepted_fused: int = 0
+    draft_tokens_chain: int = 0     # ... from self-speculative chains (l_0 of each forward)
+    accepted_chain: int = 0
+    chain_forwards: int = 0         # draft forwards run for self-speculative chains
+    chain_forward_rows: int = 0     # ... summed over their rows (request-forwards)
     #: request-steps per policy decision (``STEP_KINDS``) and the draft tokens accepted
     #: after each kind of step
     steps_by_kind: dict = field(default_factory=lambda: {k: 0 for k in STEP_KINDS})
@@ -91,9 +96,11 @@ class TokenSwiftStats:
         self.accepted_tokens += a
         ng = sum(1 for s in sources[:a] if s == SOURCE_NGRAM)
         fu = sum(1 for s in sources[:a] if s == SOURCE_FUSED)
+        ch = sum(1 for s in sources[:a] if s == SOURCE_CHAIN)
         self.accepted_ngram += ng
         self.accepted_fused += fu
-        self.accepted_heads += a - ng - fu
+        self.accepted_chain += ch
+        self.accepted_heads += a - ng - fu - ch
         if kind is not None:
             self.accepted_by_kind[kind] = self.accepted_by_kind.get(kind, 0) + a
         while len(self.accepted_per_pos) < num_verified:
@@ -112,9 +119,11 @@ class TokenSwiftStats:
         self.draft_tokens += len(sources)
         ng = sum(1 for s in sources if s == SOURCE_NGRAM)
         fu = sum(1 for s in sources if s == SOURCE_FUSED)
+        ch = sum(1 for s in sources if s == SOURCE_CHAIN)
         self.draft_tokens_ngram += ng
         self.draft_tokens_fused += fu
-        self.draft_tokens_heads += len(sources) - ng - fu
+        self.draft_tokens_chain += ch
+        self.draft_tokens_heads += len(sources) - ng - fu - ch
 
     def step_started(self) -> float:
         now = time.perf_counter()
@@ -150,12 +159,12 @@ class TokenSwiftStats:
         acc_help = "Draft tokens accepted by the rejection sampler, by the predictor that proposed them"
         for src, name in SOURCE_NAMES.items():
             val = {SOURCE_HEADS: self.accepted_heads, SOURCE_NGRAM: self.accepted_ngram,
-                   SOURCE_FUSED: self.accepted_fused}[src]
+                   SOURCE_FUSED: self.accepted_fused, SOURCE_CHAIN: self.accepted_chain}[src]
             out.append(("accepted_tokens_total", acc_help, {"source": name}, float(val)))
         dt_help = "Draft tokens proposed, by the predictor that proposed them"
         for src, name in SOURCE_NAMES.items():
             val = {SOURCE_HEADS: self.draft_tokens_heads, SOURCE_NGRAM: self.draft_tokens_ngram,
-                   SOURCE_FUSED: self.draft_tokens_fused}[src]
+                   SOURCE_FUSED: self.draft_tokens_fused, SOURCE_CHAIN: self.draft_tokens_chain}[src]
             out.append(("draft_tokens_total", dt_help, {"source": name}, float(val)))
         for kind in STEP_KINDS:
             out.append(("draft_steps_total", "Request-steps by the drafting policy's decision",
@@ -186,11 +195,11 @@ class TokenSwiftStats:
         logger.info(
             "TokenSwift metrics: drafts=%d accepted=%d/%d (heads %d, n-gram %d) alpha=%s beta=%s "
             "mean_accepted_len=%s view_selections=%d budgeted/full views=%d/%d draft_time_share=%s "
-            "steps forward/fused/ngram/none=%s",
+            "steps %s=%s",
             self.drafts, self.accepted_tokens, self.verified_tokens, self.accepted_heads,
             self.accepted_ngram, _fmt(s["acceptance_rate"]), _fmt(s["ngram_acceptance"]),
             _fmt(s["mean_accepted_length"]), self.view_selections, self.views_budgeted,
-            self.views_full, _fmt(s["draft_time_share"]),
+            self.views_full, _fmt(s["draft_time_share"]), "/".join(STEP_KINDS),
             "/".join(str(self.steps_by_kind.get(k, 0)) for k in STEP_KINDS))
 
 

@@ -27,15 +27,18 @@ import torch
 from vllm_tokenswift.core.chain import Chain
 
 #: the drafting options, per request and step: the draft forward over the budgeted view
-#: (``l_0`` and the heads, paper Sec 3.2-3.3), the heads on the verification forward's
-#: hidden state (no extra forward), the request's n-gram chain alone, or no draft
+#: (``l_0`` and the heads, paper Sec 3.2-3.3), a self-speculative chain (the draft forward
+#: run m times, token by token, each over the view plus the chain so far: the paper's
+#: TriForce* baseline), the heads on the verification forward's hidden state (no extra
+#: forward), the request's n-gram chain alone, or no draft
 FORWARD = "forward"
+CHAIN = "chain"
 FUSED = "fused"
 NGRAM = "ngram"
 NONE = "none"
-KINDS = (FORWARD, FUSED, NGRAM, NONE)
+KINDS = (FORWARD, CHAIN, FUSED, NGRAM, NONE)
 #: options that propose drafts (``NONE`` proposes nothing)
-DRAFT_KINDS = (FORWARD, FUSED, NGRAM)
+DRAFT_KINDS = (FORWARD, CHAIN, FUSED, NGRAM)
 
 
 # ============================================================== input
@@ -56,6 +59,9 @@ class RequestStep:
             hidden state at position ``pos - 1`` (the fused heads read it); -1 when it is
             not in this step's forward.
         has_slot: ``x``'s KV slot is allocated (the draft forward writes it).
+        num_slots: KV slots allocated to the request (its blocks × block size): a chain's
+            forward ``j`` writes position ``pos + j``, so at most ``num_slots - pos``
+            forwards fit (vLLM allocates ``num_lookahead_tokens`` beyond the verified tokens).
         sampling_params: the request's vLLM ``SamplingParams`` (read when the proposer
             first meets the request; None: greedy defaults).
     """
@@ -68,6 +74,7 @@ class RequestStep:
     verify_index: int = -1
     has_slot: bool = True
     sampling_params: Any = None
+    num_slots: int = 1 << 30
 
     @property
     def num_accepted(self) -> int:
@@ -159,6 +166,8 @@ class Row:
         context: its last ``NGramTable.context_len`` tokens up to ``x`` (for n-grams).
         ngram: its n-gram chain (None when the policy does not weigh one, or no table).
         verify_index: see :attr:`RequestStep.verify_index`.
+        chain_room: most self-speculative chain forwards (:data:`CHAIN`) whose K/V slots
+            are allocated (``num_slots - pos``, at most ``room``).
     """
 
     batch_row: int
@@ -169,6 +178,7 @@ class Row:
     context: list
     ngram: Chain | None = None
     verify_index: int = -1
+    chain_room: int = 0
 
 
 # ============================================================== plan
@@ -187,6 +197,8 @@ class StepPlan:
             (the n-gram option's is its chain's own, reused when that chain is cut).
         decision: the cost-aware decision (``core.policy.decision.Decision``), or None.
         plain_probe: the adaptive policy ran a plain step to measure its cost apart.
+        lengths: per row, the planned chain length (for :data:`CHAIN` rows: the number of
+            draft forwards, 1 to ``chain_room``); empty: not planned.
     """
 
     rows: list
@@ -196,6 +208,15 @@ class StepPlan:
     cums: list = field(default_factory=list)
     decision: Any = None
     plain_probe: bool = False
+    lengths: list = field(default_factory=list)
+
+    def chain_forwards(self, j: int) -> int:
+        """Draft forwards of row ``j``'s self-speculative chain (0 unless it takes :data:`CHAIN`):
+        its planned length, at least 1, at most its ``chain_room``."""
+        if self.kinds[j] != CHAIN:
+            return 0
+        m = int(self.lengths[j]) if self.lengths else self.rows[j].chain_room
+        return max(1, min(m, self.rows[j].chain_room))
 
     @property
     def any_forced(self) -> bool:
@@ -227,6 +248,8 @@ class Drafts:
             sampled tokens were drawn from.
         forward: ``(seconds, rows)`` of the draft forward, or None.
         fused: ``(seconds, rows)`` of the fused heads, or None.
+        chain: ``[(seconds, rows), ...]``: each draft forward of the self-speculative
+            chains (the LM head and the draws included), in order; empty when none ran.
         forward_selected: the draft forward (re-)selected a request's KV view, so its time
             is not a budgeted forward's (see :meth:`StepCosts.of_drafting`).
     """
@@ -235,7 +258,13 @@ class Drafts:
     q_rows: dict = field(default_factory=dict)
     forward: tuple | None = None
     fused: tuple | None = None
+    chain: list = field(default_factory=list)
     forward_selected: bool = False
+
+    @property
+    def seconds(self) -> float:
+        """Time spent in draft forwards and fused heads this step."""
+        return sum(d[0] for d in (self.forward, self.fused) if d) + sum(c[0] for c in self.chain)
 
 
 @dataclass(frozen=True)
@@ -248,11 +277,15 @@ class StepCosts:
             step) or is the first.
         forward: ``(seconds, rows)`` of the previous step's draft forward, or None.
         fused: ``(seconds, rows)`` of its fused heads, or None.
+        chain: ``(seconds, rows)`` of each draft forward of its self-speculative chains
+            (each is a draft forward over budgeted views: the cost model fits them with
+            the draft forward's ``f0 + f1·n``).
     """
 
     step: tuple | None = None
     forward: tuple | None = None
     fused: tuple | None = None
+    chain: tuple = ()
 
     @classmethod
     def of_drafting(cls, drafts: Drafts | None) -> "StepCosts":
@@ -265,7 +298,9 @@ class StepCosts:
         next ones, and observing it kept the policy off the draft forward)."""
         if drafts is None:
             return cls()
-        return cls(forward=None if drafts.forward_selected else drafts.forward, fused=drafts.fused)
+        sel = drafts.forward_selected
+        return cls(forward=None if sel else drafts.forward, fused=drafts.fused,
+                   chain=() if sel else tuple(drafts.chain))
 
 
 # ============================================================== output

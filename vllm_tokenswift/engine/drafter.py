@@ -14,6 +14,13 @@
   (:mod:`vllm_tokenswift.core.chain`; the paper's selection when the policy asks for
   :attr:`~vllm_tokenswift.core.policy.DraftingPolicy.paper_chains`), sampled requests draw
   each position from its draft distribution q with the request's own RNG;
+* **chain rows** (self-speculative chains, the paper's TriForce* baseline): the draft
+  forward run ``m`` times, one token per request each time, forward ``j`` over the
+  request's budgeted view plus the chain drafted so far (the chain's K/V written into the
+  request's own lookahead slots ``pos + j``, which the next verification overwrites); the
+  next token taken from ``l_0`` (argmax of its processed distribution for greedy
+  requests; drawn from q for sampled ones, q built with the request's penalty counting
+  the chain drawn so far, temperature and min_p, and handed to the rejection sampler);
 * **n-gram rows**: their n-gram chain.
 
 Every chain is cut by the policy (:meth:`DraftingPolicy.cut
@@ -28,12 +35,14 @@ import time
 
 import torch
 
-from vllm_tokenswift.core.chain import (SOURCE_FUSED, SOURCE_HEADS, Chain, build_chain, extend_chain,
+import numpy as np
+
+from vllm_tokenswift.core.chain import (SOURCE_CHAIN, SOURCE_FUSED, SOURCE_HEADS, Chain, build_chain, extend_chain,
                                         ngram_escape, request_ngram_chain, select_chain)
 from vllm_tokenswift.core.config import TokenSwiftConfig
 from vllm_tokenswift.core.draft_sampling import draft_distributions, draw
 from vllm_tokenswift.core.kv_view import DraftViews
-from vllm_tokenswift.core.step import FORWARD, FUSED, NGRAM, Drafts, StepInput, StepPlan
+from vllm_tokenswift.core.step import CHAIN, FORWARD, FUSED, NGRAM, Drafts, StepInput, StepPlan
 
 
 class Drafter:
@@ -60,7 +69,7 @@ class Drafter:
 
     def draft(self, step: StepInput, plan: StepPlan) -> Drafts:
         """Every row of ``plan`` drafted with its option: fused heads, the draft forward, the
-        n-gram chain (``none`` rows get nothing)."""
+        self-speculative chain, the n-gram chain (``none`` rows get nothing)."""
         out = Drafts()
         fused = plan.rows_of(FUSED)
         if fused:
@@ -68,6 +77,9 @@ class Drafter:
         forward = plan.rows_of(FORWARD)
         if forward:
             self._forward(step, plan, forward, out)
+        chained = plan.rows_of(CHAIN)
+        if chained:
+            self._chain(step, plan, chained, out)
         for j in plan.rows_of(NGRAM):
             r = plan.rows[j]
             ch = r.ngram if r.ngram is not None else Chain([], [], 0.0)
@@ -122,6 +134,96 @@ class Drafter:
         else:
             self._chains(step, plan, idx, logits, out, SOURCE_HEADS, tree=self.cfg.tree, with_l0=True)
         out.forward = (time.perf_counter() - t, len(sel))
+
+    # ----------------------------------------------------------------- self-speculative chains
+    def _chain(self, step: StepInput, plan: StepPlan, idx: list[int], out: Drafts) -> None:
+        """The self-speculative chains of the rows ``idx`` (module doc): forward ``j`` feeds
+        each still-drafting request its token at ``pos + j`` (``x``, then the chain's
+        tokens), writes its K/V into the request's real slot of that position and attends
+        to the request's budgeted view plus positions ``pos + 1 .. pos + j``: the view's
+        last block is the newest token's own, so the table is the view followed by the
+        request's next blocks and the view's length grows by one token per forward.
+
+        Row ``k`` runs ``plan.chain_forwards`` forwards (at most its ``chain_room``, the
+        slots vLLM allocated: ``num_lookahead_tokens`` is ``num_speculative_tokens`` for
+        TokenSwift engines). Each forward's time goes to ``out.chain`` for the cost model."""
+        sel = [plan.rows[j] for j in idx]
+        lengths = [plan.chain_forwards(j) for j in idx]
+        bt = step.block_table
+        bs = self.views.planner.block_size
+        batch_rows = [r.batch_row for r in sel]
+        views = [r.state.view for r in sel]
+        positions = [r.pos for r in sel]
+        held = self.target.query_rows
+        query_rows = [held.get(r.state.uid, -1) for r in sel]
+        selections = [v.selections for v in views]
+        t = time.perf_counter()
+        plans = self.views.plan(bt, batch_rows, views, positions, query_rows)
+        out.forward_selected = (out.forward_selected or any(pl.needs_selection for pl in plans)
+                                or any(v.selections != n for v, n in zip(views, selections)))
+        base_tables = self.views.block_tables(bt, batch_rows, plans)
+        rows_of = [step.token_ids[r.batch_row] for r in sel]
+        tokens: list[list[int]] = [[] for _ in sel]
+        confs: list[list[float]] = [[] for _ in sel]
+        qs: list[list[torch.Tensor]] = [[] for _ in sel]
+        greedy = [not r.state.sampled for r in sel]
+        for j in range(max(lengths)):
+            act = [k for k in range(len(sel)) if lengths[k] > j]
+            ids = [int(rows_of[k][positions[k]]) if j == 0 else tokens[k][j - 1] for k in act]
+            pos_j = [positions[k] + j for k in act]
+            slots = self.views.slots(bt, [batch_rows[k] for k in act], pos_j)
+            tables = [self._chain_table(tab, [len(pl.blocks[g if len(pl.blocks) > 1 else 0]) for pl in plans],
+                                        bt, act, batch_rows, positions, j, bs)
+                      for g, tab in enumerate(base_tables)]
+            seq = [plans[k].seq_len + j for k in act]
+            t1 = time.perf_counter()
+            h = self.target.draft_forward(step.runner, ids, pos_j, slots, tables, seq,
+                                          [sel[k].state.uid for k in act])
+            logits = self.target.logits(h).unsqueeze(1)                       # [n, 1, V]
+            self.stats.time_draft_forward_s += time.perf_counter() - t1
+            if j == 0 and self.target.query_rows:
+                self.views.select_after_forward(bt, batch_rows, views, positions, plans)
+            probs = draft_distributions([sel[k].state for k in act], [rows_of[k] for k in act],
+                                        [positions[k] for k in act], logits, filters=self.cfg.draft_penalty,
+                                        chains=[tokens[k] for k in act])[:, 0]       # [n, V]
+            peak, arg = probs.max(dim=-1)
+            peak, arg = peak.tolist(), arg.tolist()
+            for i, k in enumerate(act):
+                if greedy[k]:
+                    tokens[k].append(int(arg[i]))
+                else:
+                    tokens[k].append(draw(sel[k].state, probs[i: i + 1])[0])
+                    qs[k].append(probs[i])
+                confs[k].append(float(peak[i]))
+            out.chain.append((time.perf_counter() - (t if j == 0 else t1), len(act)))
+            self.stats.chain_forwards += 1
+            self.stats.chain_forward_rows += len(act)
+        self.stats.draft_steps += 1
+        for k, r in enumerate(sel):
+            ch = Chain(tokens[k], [SOURCE_CHAIN] * len(tokens[k]), 0.0, confs[k])
+            out.chains[idx[k]] = self.policy.cut(plan, idx[k], ch)
+            if qs[k]:
+                out.q_rows[idx[k]] = torch.stack(qs[k])
+
+    @staticmethod
+    def _chain_table(table: np.ndarray, view_blocks: list[int], bt: np.ndarray, act: list[int],
+                     batch_rows: list[int], positions: list[int], j: int, bs: int) -> np.ndarray:
+        """Forward ``j``'s block table ``[len(act), width]`` int32: each active request's
+        view (row ``k`` of ``table``: its first ``view_blocks[k]`` entries) followed by the
+        physical blocks of the request's positions past the newest token's block, up to
+        ``pos + j`` (zero-padded)."""
+        extra = [(positions[k] + j) // bs - positions[k] // bs for k in act]
+        if not any(extra):
+            return table[act]
+        width = max(view_blocks[k] + e for k, e in zip(act, extra))
+        out = np.zeros((len(act), max(width, table.shape[1])), dtype=np.int32)
+        for i, k in enumerate(act):
+            nv = view_blocks[k]
+            out[i, :nv] = table[k, :nv]
+            if extra[i]:
+                first = positions[k] // bs + 1
+                out[i, nv: nv + extra[i]] = bt[batch_rows[k], first: first + extra[i]]
+        return out
 
     # ----------------------------------------------------------------- chains
     def _distributions(self, step: StepInput, sel: list, logits: torch.Tensor) -> torch.Tensor:

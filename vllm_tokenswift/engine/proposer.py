@@ -16,24 +16,30 @@ which runs five steps, one method each; each reads its arguments and returns its
    drafting and this step cost (:meth:`DraftingPolicy.account
    <vllm_tokenswift.core.policy.DraftingPolicy.account>`).
 3. :meth:`~TokenSwiftProposer._plan` ``(rows) -> StepPlan``: the policy decides per request
-   the draft forward over its budgeted view, the fused heads on the verification forward's
-   hidden state, an n-gram chain alone, or no draft, and how long chains may be
+   the draft forward over its budgeted view, a self-speculative chain (the draft forward
+   token by token), the fused heads on the verification forward's hidden state, an n-gram
+   chain alone, or no draft, and how long chains may be
    (:meth:`DraftingPolicy.plan <vllm_tokenswift.core.policy.DraftingPolicy.plan>`).
 4. :meth:`~TokenSwiftProposer._draft` ``(step, plan) -> Drafts``: the chains
    (:class:`~vllm_tokenswift.engine.drafter.Drafter`): fused heads; **one** forward of the
    target over the forward rows' budgeted KV views (Sec 3.3) giving ``l_0`` and the heads
    ``l_1..l_3``; each request's penalty, temperature and min_p (Sec 3.4); greedy requests
    take the best chain of the token tree and the n-grams, sampled requests draw from q;
-   every chain cut by the policy.
+   self-speculative chains run the draft forward once per chain token, each over the view
+   plus the chain so far; every chain cut by the policy.
 5. :meth:`~TokenSwiftProposer._hand_over` ``(step, plan, drafts) -> StepProposal``: the
    chains for vLLM, with the draft distributions q of sampled tokens, so vLLM's rejection
    sampler verifies them against the full model (the output equals plain decoding); each
    request's proposal is kept for the next step's accounting.
 
 KV safety: the draft forward writes ``x``'s K/V (computed from partial attention in layers
->= 1) into ``x``'s real slot; the next verification step schedules ``x`` at ``p`` again and
-overwrites that slot in every layer before attention reads it, and prefix caching only
-hashes full blocks of computed tokens, so verification never reads draft K/V.
+>= 1) into ``x``'s real slot, a self-speculative chain's forward ``j`` the K/V of its token
+into the request's own lookahead slot ``p + j`` (allocated by vLLM: the ``lookahead-slot``
+patch gives TokenSwift engines ``num_speculative_tokens`` lookahead tokens); the next
+verification step schedules ``x`` at ``p`` and the drafts after it again and overwrites
+those slots in every layer before attention reads them, slots past the verified drafts
+lie past every sequence length until they are written by their own token, and prefix
+caching only hashes full blocks of computed tokens, so verification never reads draft K/V.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ from vllm_tokenswift.core.kv_view import DraftViews, ViewPlanner
 from vllm_tokenswift.core.policy import make_policy
 from vllm_tokenswift.core.request_state import RequestState, new_request_state
 from vllm_tokenswift.core.stats import TokenSwiftStats
-from vllm_tokenswift.core.step import (FORWARD, FUSED, NGRAM, NONE, Drafts, Proposal, Row, StepCosts, StepInput,
+from vllm_tokenswift.core.step import (CHAIN, FORWARD, FUSED, NGRAM, NONE, Drafts, Proposal, Row, StepCosts, StepInput,
                                        StepPlan, StepProposal, Verified)
 from vllm_tokenswift.engine.drafter import Drafter
 from vllm_tokenswift.engine.tensor_parallel import tp_all_gather, tp_broadcast_from_rank0
@@ -271,7 +277,7 @@ class TokenSwiftProposer:
         finally:
             self.target_access.end_step()
         ended = time.perf_counter()
-        drafting = sum(d[0] for d in (drafts.forward, drafts.fused) if d) if drafts is not None else 0.0
+        drafting = drafts.seconds if drafts is not None else 0.0
         self.stats.time_draft_s += ended - started
         self._last_overhead = (ended - started) - drafting
         self._last_end = ended
@@ -308,7 +314,8 @@ class TokenSwiftProposer:
                 continue
             m = st.ngrams.context_len if st.ngrams is not None else 1
             ctx = token_row[max(0, p + 1 - m): p + 1].tolist()
-            r = Row(req.batch_row, req.req_id, st, p, room, ctx, verify_index=req.verify_index)
+            r = Row(req.batch_row, req.req_id, st, p, room, ctx, verify_index=req.verify_index,
+                    chain_room=max(0, min(room, self.cfg.max_chain_length, req.num_slots - p)))
             if with_chains and st.ngrams is not None:
                 r.ngram = request_ngram_chain(st.ngrams, ctx, room, st.sampled, self.cfg.policy_tuning)
             rows.append(r)
@@ -369,8 +376,9 @@ class TokenSwiftProposer:
             cut = drafts.chains.get(j)
             kind = plan.kinds[j]
             ch = cut.chain if cut is not None else None
-            # the draft forward / fused heads ran for this row even if the cut left nothing
-            span = (spans.get(kind, 0) and min(r.room, spans[kind])) if ch is not None else 0
+            # the draft forward / chain / fused heads ran for this row even if the cut left nothing
+            full = plan.chain_forwards(j) if kind == CHAIN else spans.get(kind, 0)
+            span = (full and min(r.room, full)) if ch is not None else 0
             if ch is None or not ch.tokens:
                 toks, srcs, confs = [], [], []
                 if not span:

@@ -45,7 +45,7 @@ def build_step_input(runner, scheduler_output, sampled) -> StepInput:
         requests.append(RequestStep(
             batch_row=i, req_id=rid, sampled=s, num_verified=k, pos=p,
             verify_index=int(qsl[i + 1]) - 1 - (k - a), has_slot=p // block_size < int(nblk[i]),
-            sampling_params=getattr(req, "sampling_params", None)))
+            sampling_params=getattr(req, "sampling_params", None), num_slots=int(nblk[i]) * block_size))
     return StepInput(requests=requests, req_ids=req_ids,
                      num_scheduled_tokens=int(scheduler_output.total_num_scheduled_tokens),
                      token_ids=ib.token_ids_cpu, block_table=bt.block_table.np,

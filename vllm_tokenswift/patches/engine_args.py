@@ -1,8 +1,8 @@
 """Patches of vLLM's engine configuration (``vllm.engine.arg_utils``, ``vllm.config``):
 ``engine-args`` translates ``method="tokenswift"`` into ``custom_class`` plus validated
 settings, adds the CLI flags and checks the finished ``VllmConfig`` in the front end;
-``lookahead-slot`` gives TokenSwift engines the one lookahead KV slot the draft forward
-writes.
+``lookahead-slot`` gives TokenSwift engines ``num_speculative_tokens`` lookahead KV slots,
+the slots the draft forward and the self-speculative chains write.
 """
 
 from __future__ import annotations
@@ -91,11 +91,11 @@ def check_engine_config(vllm_config) -> None:
         TokenSwiftPatchError: a patch TokenSwift relies on is not active.
     """
     from vllm_tokenswift.core.config import TokenSwiftConfigError, validate
-    from vllm_tokenswift.core.policy import policy_class
+    from vllm_tokenswift.core.policy import check_policy
 
     require_declared()
     cfg = validate(vllm_config)
-    policy_class(cfg.policy)
+    check_policy(cfg)
     import vllm.envs as envs
 
     allowed = envs.VLLM_PLUGINS
@@ -189,7 +189,7 @@ def _patch_lookahead(orig: dict) -> dict:
 
     def num_lookahead_tokens(self):
         if is_tokenswift_spec(self.speculative_config):
-            return 1
+            return int(self.speculative_config.num_speculative_tokens)
         return fget(self)
 
     return {"vllm.config.vllm:VllmConfig.num_lookahead_tokens": num_lookahead_tokens}
@@ -238,9 +238,11 @@ PATCHES: tuple[Patch, ...] = (
         targets=(Target("vllm.config.vllm:VllmConfig.num_lookahead_tokens", "property",
                         "vllm.config.vllm.VllmConfig.num_lookahead_tokens", ("self",)),),
         build=_patch_lookahead,
-        changes="VllmConfig.num_lookahead_tokens is 1 for TokenSwift engines (0 for custom_class otherwise)",
-        why="the draft forward writes the newest token's K/V into its real slot, which the scheduler "
-            "allocates only with one lookahead token (without it ~3% of steps had no slot)",
+        changes="VllmConfig.num_lookahead_tokens is num_speculative_tokens for TokenSwift engines (0 for "
+                "custom_class otherwise), as vLLM sets it for EAGLE",
+        why="the draft forward writes the newest token's K/V into its real slot and a self-speculative "
+            "chain's forward j the K/V of position pos + j, which the scheduler allocates only with "
+            "lookahead tokens (without any ~3% of steps had no slot for the newest token)",
         upstream="custom_class proposers cannot declare a lookahead; no upstream issue filed from here",
         remove_when="custom_class proposers can declare their lookahead (e.g. a class attribute read by "
                     "num_lookahead_tokens)",

@@ -9,6 +9,10 @@ plugin ships, selected by ``"tokenswift": {"policy": NAME}``:
   (:mod:`~vllm_tokenswift.core.policy.decision`, :mod:`~vllm_tokenswift.core.policy.estimates`);
 * ``"paper"`` (:class:`~vllm_tokenswift.core.policy.paper.PaperPolicy`): the draft forward
   every step, chains whole;
+* ``"triforce"`` (:class:`~vllm_tokenswift.core.policy.paper.TriForcePolicy`): a
+  self-speculative chain every step (the paper's TriForce* baseline);
+* ``"medusa"`` (:class:`~vllm_tokenswift.core.policy.paper.MedusaPolicy`): the heads on the
+  verification forward's hidden state every step (the paper's Medusa* baseline);
 * ``"cycle"`` (:class:`~vllm_tokenswift.core.policy.adaptive.CyclePolicy`): every option in
   turn (diagnostics and tests).
 
@@ -25,13 +29,14 @@ import importlib
 from vllm_tokenswift.core.config import TokenSwiftConfigError
 from vllm_tokenswift.core.policy.adaptive import AdaptivePolicy, CyclePolicy
 from vllm_tokenswift.core.policy.base import DraftingPolicy
-from vllm_tokenswift.core.policy.paper import PaperPolicy
+from vllm_tokenswift.core.policy.paper import MedusaPolicy, PaperPolicy, TriForcePolicy
 
 #: the built-in strategies by name (``config.BUILTIN_POLICIES`` lists the same names)
-POLICIES: dict[str, type[DraftingPolicy]] = {p.name: p for p in (AdaptivePolicy, PaperPolicy, CyclePolicy)}
+POLICIES: dict[str, type[DraftingPolicy]] = {p.name: p for p in (AdaptivePolicy, PaperPolicy, CyclePolicy, TriForcePolicy,
+                                                              MedusaPolicy)}
 
-__all__ = ["POLICIES", "DraftingPolicy", "AdaptivePolicy", "PaperPolicy", "CyclePolicy", "policy_class",
-           "make_policy"]
+__all__ = ["POLICIES", "DraftingPolicy", "AdaptivePolicy", "PaperPolicy", "CyclePolicy", "TriForcePolicy",
+           "MedusaPolicy", "policy_class", "check_policy", "make_policy"]
 
 
 def policy_class(name: str) -> type[DraftingPolicy]:
@@ -58,6 +63,22 @@ def policy_class(name: str) -> type[DraftingPolicy]:
     return cls
 
 
+def check_policy(cfg) -> type[DraftingPolicy]:
+    """The strategy class of ``cfg.policy`` (:func:`policy_class`), its own checks of the
+    settings passed (:meth:`DraftingPolicy.check_config`); run in the front end when the
+    engine is created.
+
+    Raises:
+        TokenSwiftConfigError: as :func:`policy_class`, or settings the strategy refuses.
+    """
+    cls = policy_class(cfg.policy)
+    try:
+        cls.check_config(cfg)
+    except ValueError as e:
+        raise TokenSwiftConfigError(f"tokenswift.policy={cfg.policy!r}: {e}") from None
+    return cls
+
+
 def make_policy(cfg, num_spec_tokens: int, tp_broadcast=None) -> DraftingPolicy:
-    """The engine's strategy instance for ``cfg.policy`` (:func:`policy_class`)."""
-    return policy_class(cfg.policy)(cfg, num_spec_tokens, tp_broadcast)
+    """The engine's strategy instance for ``cfg.policy`` (:func:`check_policy`)."""
+    return check_policy(cfg)(cfg, num_spec_tokens, tp_broadcast)

@@ -2,7 +2,8 @@
 variant ``policy="cycle"``.
 
 Every step and for every request, :class:`AdaptivePolicy` weighs the draft forward over the
-budgeted view, the fused heads, the request's n-gram chain alone and no draft, and picks the
+budgeted view, self-speculative chains of every length (the draft forward token by token),
+the fused heads, the request's n-gram chain alone and no draft, and picks the
 options and chain lengths that maximise the batch's expected generated tokens per second
 (:func:`vllm_tokenswift.core.policy.decision.decide`), from what it measures while the engine
 runs: step costs (:class:`~vllm_tokenswift.core.policy.estimates.CostModel`), acceptance per
@@ -24,7 +25,7 @@ from vllm_tokenswift.core.chain import SOURCE_NGRAM, Chain
 from vllm_tokenswift.core.policy import decision as dec
 from vllm_tokenswift.core.policy.base import DraftingPolicy, past_cut_of
 from vllm_tokenswift.core.policy.estimates import AcceptanceModel, Calibration, CostModel
-from vllm_tokenswift.core.step import FORWARD, FUSED, KINDS, NGRAM, NONE, CutChain, StepCosts, StepPlan
+from vllm_tokenswift.core.step import CHAIN, FORWARD, FUSED, KINDS, NGRAM, NONE, CutChain, StepCosts, StepPlan
 
 #: a request tries the draft forward / fused heads at least once every
 #: ``policy_tuning.explore_every`` of its steps (deterministic exploration), a gap that
@@ -95,6 +96,8 @@ class AdaptivePolicy(DraftingPolicy):
                 self.costs.observe_fused(*costs.fused)
             if costs.forward is not None:
                 self.costs.observe_forward(*costs.forward)
+            for fwd in costs.chain:       # each chain forward is a draft forward over budgeted views
+                self.costs.observe_forward(*fwd)
             if costs.step is not None:
                 self.costs.observe_step(*costs.step)
 
@@ -114,7 +117,7 @@ class AdaptivePolicy(DraftingPolicy):
         if last.step < 0:
             return
         st.tried[last.kind] = last.step
-        if last.kind in (FORWARD, FUSED):
+        if last.kind in (FORWARD, CHAIN, FUSED):
             t = self.tuning
             st.explore_gap = (min(2 * st.explore_gap, t.explore_max) if last.forced or last.alongside_forced
                               else t.explore_every)
@@ -165,7 +168,7 @@ class AdaptivePolicy(DraftingPolicy):
             decision.plain_probe = True
         self.last_decision = decision
         return StepPlan(list(rows), list(decision.kinds), forced, decision.threshold,
-                        [o.cums for o in options], decision, decision.plain_probe)
+                        [o.cums for o in options], decision, decision.plain_probe, list(decision.lengths))
 
     def row_options(self, r, step: int, has_fused: bool) -> dec.RowOptions:
         """Per available option, the estimated cumulative acceptance of row ``r``'s chain,
@@ -176,6 +179,8 @@ class AdaptivePolicy(DraftingPolicy):
             cums[NGRAM] = self.calibrated_cum(r.ngram, st.sampled)
         n_fwd = min(r.room, self.cfg.num_draft_distributions)
         cums[FORWARD] = self.acceptance.cumulative(self.estimates_of(st), FORWARD, n_fwd)
+        if r.chain_room > 0:
+            cums[CHAIN] = self.acceptance.cumulative(self.estimates_of(st), CHAIN, r.chain_room)
         if has_fused and r.verify_index >= 0:
             cums[FUSED] = self.acceptance.cumulative(self.estimates_of(st), FUSED, min(r.room, self.num_heads))
         return dec.RowOptions(cums, self.forced_option(r, step, cums))
@@ -194,7 +199,7 @@ class AdaptivePolicy(DraftingPolicy):
                 and step % EXPLORE_ALIGN == 0):
             return None
         ngram_yield = float(np.sum(cums[NGRAM])) if NGRAM in cums else 0.0
-        for kind in (FORWARD, FUSED):
+        for kind in (FORWARD, CHAIN, FUSED):
             if kind not in cums or st.steps - st.tried.get(kind, 0) < st.explore_gap:
                 continue
             if not self.tuning.explore_beside_ngram and ngram_yield >= len(cums[kind]):
@@ -231,7 +236,7 @@ class AdaptivePolicy(DraftingPolicy):
 
 
 class CyclePolicy(AdaptivePolicy):
-    """``policy="cycle"`` (diagnostics and tests): every request rotates through the four
+    """``policy="cycle"`` (diagnostics and tests): every request rotates through the five
     options step by step (an unavailable one gives way to its n-gram chain, else no draft),
     with chain lengths and cuts as the adaptive policy decides them; no exploration, no
     plain probes."""

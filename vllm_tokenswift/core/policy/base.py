@@ -71,6 +71,15 @@ class DraftingPolicy:
         """The adaptive policy's advanced settings (``config.PolicyTuning``)."""
         return self.cfg.policy_tuning
 
+    @classmethod
+    def check_config(cls, cfg: TokenSwiftConfig) -> None:
+        """Refuse settings this strategy cannot run with (called in the front end when the
+        engine is created, :func:`~vllm_tokenswift.core.policy.check_policy`). Default: none.
+
+        Raises:
+            ValueError: the message names the setting and a valid value.
+        """
+
     def on_new_request(self, st, sampling_params) -> None:
         """Called once per request, when the proposer makes its state: a strategy may read
         per-request settings here (kept in ``st.policy_data``).

@@ -14,6 +14,9 @@ engine runs (an extension beyond the paper, which always drafts):
   hidden state the *verification* forward already computed at the position
   before the newest token (Medusa-style: head i predicts ``t+1+i`` from ``h_t``,
   so head 1 drafts the token after the newest one), plus n-grams;
+* ``chain``: a self-speculative chain: the draft forward run ``m`` times, token by token,
+  each over the budgeted view plus the chain so far (the paper's TriForce* baseline);
+  ``m`` forwards cost ``m·(f0 + f1·n)`` and draft ``m`` tokens;
 * ``ngram``: the request's n-gram chain alone (no forward, no heads);
 * ``none``: no draft (a plain step for that request).
 
@@ -22,13 +25,15 @@ and how long each chain is.
 **Cost model** (:class:`CostModel`). One engine step costs::
 
     T = a + g·[D>0] + b·D + [any forward]·(f0 + f1·n_fwd) + [any fused]·(h0 + h1·n_fused)
+          + L·(f0 + f1·n_chain)
 
 ``a``: a step that verifies no draft tokens (the plain decode step of this batch,
 plus the proposer's own fixed work); ``g``: the fixed extra cost of a step that
 verifies any draft (vLLM's rejection sampler and spec-decode metadata instead of
 the plain sampler); ``b``: each verified draft token; ``D``: draft tokens in the
 batch; ``f0 + f1·n`` and ``h0 + h1·n``: the draft forward and the fused heads for
-``n`` rows. Each is a non-negative ridge least-squares fit over the last
+``n`` rows; ``L``: the forwards of the step's self-speculative chains (each
+a draft forward over ``n_chain`` rows' views). Each is a non-negative ridge least-squares fit over the last
 :attr:`CostModel.window` observations (wall-clock, from the proposer's timers),
 pulled towards priors expressed as fractions of ``a`` so that a fresh engine starts
 with sensible numbers. ``a`` and ``b`` follow context growth and batch-size changes
@@ -82,7 +87,7 @@ import numpy as np
 from vllm_tokenswift.core.config import MIN_GAIN as _MIN_GAIN
 
 # the running estimates the decision is made from (re-exported: ``policy.CostModel`` ...)
-from vllm_tokenswift.core.policy.estimates import (DRAFT_KINDS, FORWARD, FUSED, KINDS, NGRAM, NONE,  # noqa: F401
+from vllm_tokenswift.core.policy.estimates import (CHAIN, DRAFT_KINDS, FORWARD, FUSED, KINDS, NGRAM, NONE,  # noqa: F401
                                        AcceptanceModel, Calibration, CostModel, DepthCounts, shrunk)
 
 
@@ -129,9 +134,13 @@ class Decision:
     plain_probe: bool = False
 
 
-def _step_seconds(costs: dict, draft_tokens: int, n_fwd: int, n_fus: int) -> float:
-    """``T`` of the module doc for a plan with these counts."""
+def _step_seconds(costs: dict, draft_tokens: int, n_fwd: int, n_fus: int, n_chain: int = 0,
+                  chain_len: int = 0) -> float:
+    """``T`` of the module doc for a plan with these counts (``chain_len`` forwards for the
+    ``n_chain`` rows that take a self-speculative chain)."""
     t = costs["a"] + costs["b"] * draft_tokens
+    if n_chain and chain_len:
+        t += chain_len * (costs["f0"] + costs["f1"] * n_chain)
     if draft_tokens > 0:
         t += costs.get("g", 0.0)
     if n_fwd:
@@ -177,13 +186,23 @@ def _no_plan_beats(cands: list, costs: dict, theta0: float) -> bool:
     cut = b * theta0
     tot = [0.0, 0.0, 0.0, 0.0]      # {ngram}, {ngram, forward}, {ngram, fused}, all
     has_fwd = has_fus = False
+    lmax = max((len(vals) for _f, lst in cands for kind, vals, _p in lst if kind == CHAIN), default=0)
+    tot_ch = [0.0] * (lmax + 1)      # {ngram, chain of L forwards}, L = 1..lmax
     for _forced, lst in cands:
         s_ng = s_fw = s_fu = 0.0
+        s_ch = [0.0] * (lmax + 1)
         for kind, vals, _pre in lst:
             sur = 0.0
             for v in vals:
                 if v > cut:
                     sur += v - cut
+            if kind == CHAIN:
+                run = 0.0
+                for L in range(1, lmax + 1):
+                    if L <= len(vals) and vals[L - 1] > cut:
+                        run += vals[L - 1] - cut
+                    s_ch[L] = run - theta0 * L * costs["f1"]
+                continue
             if kind == NGRAM:
                 s_ng = sur
             elif kind == FORWARD:
@@ -196,6 +215,8 @@ def _no_plan_beats(cands: list, costs: dict, theta0: float) -> bool:
         tot[1] += max(s_ng, s_fw)
         tot[2] += max(s_ng, s_fu)
         tot[3] += max(s_ng, s_fw, s_fu)
+        for L in range(1, lmax + 1):
+            tot_ch[L] += max(s_ng, s_ch[L])
     R = len(cands)
     base = a + costs.get("g", 0.0)
     values = [R - theta0 * base + tot[0]]
@@ -205,11 +226,15 @@ def _no_plan_beats(cands: list, costs: dict, theta0: float) -> bool:
         values.append(R - theta0 * (base + costs["h0"]) + tot[2])
     if has_fwd and has_fus:
         values.append(R - theta0 * (base + costs["f0"] + costs["h0"]) + tot[3])
+    for L in range(1, lmax + 1):
+        values.append(R - theta0 * (base + L * costs["f0"]) + tot_ch[L])
     return max(values) < -1e-9 * R
 
 
-def _plan(cands: list, allowed: set, costs: dict, iters: int = 6):
+def _plan(cands: list, allowed: set, costs: dict, iters: int = 6, chain_len: int = 0):
     """Best plan when only ``allowed`` options exist: Dinkelbach on the throughput.
+    ``chain_len``: with :data:`CHAIN` allowed, the forwards of this step's chains (each
+    chain at most that long; the step pays ``chain_len`` draft forwards).
 
     ``cands``: :func:`_candidates` of the rows. Every Dinkelbach round costs
     O(rows × options × k) float comparisons: an option's surplus at cut ``c`` is
@@ -227,12 +252,14 @@ def _plan(cands: list, allowed: set, costs: dict, iters: int = 6):
         cut = b * theta
         gain = 0.0
         ntok = 0
-        n_fwd = n_fus = 0
+        n_fwd = n_fus = n_ch = 0
         for i, (forced, lst) in enumerate(cands):
             best, best_s, best_k, best_gain = NONE, 0.0, 0, 0.0
             for kind, vals, pre in lst:
                 if kind not in allowed:
                     continue
+                if kind == CHAIN:
+                    vals = vals[:chain_len]
                 k = 0
                 for v in vals:             # non-increasing: the drafts worth more than the cut
                     if not v > cut:
@@ -250,7 +277,8 @@ def _plan(cands: list, allowed: set, costs: dict, iters: int = 6):
             ntok += best_k
             n_fwd += best == FORWARD
             n_fus += best == FUSED
-        t = _step_seconds(costs, ntok, n_fwd, n_fus)
+            n_ch += best == CHAIN
+        t = _step_seconds(costs, ntok, n_fwd, n_fus, n_ch, chain_len)
         new_theta = (R + gain) / t
         if abs(new_theta - theta) <= 1e-9 * max(theta, 1e-12):
             theta = new_theta
@@ -274,13 +302,18 @@ MIN_GAIN = _MIN_GAIN
 #: the fixed-cost combinations :func:`decide` enumerates (``{NONE}``: plain decoding)
 _COMBOS = (frozenset({NONE}), frozenset({NGRAM, NONE}), frozenset({NGRAM, NONE, FORWARD}),
            frozenset({NGRAM, NONE, FUSED}), frozenset({NGRAM, NONE, FORWARD, FUSED}))
+#: with self-speculative chains of ``L`` forwards (enumerated over ``L``; chains are not
+#: combined with the one-forward options: both pay draft forwards, and a chain of one
+#: forward is the draft forward without the heads)
+_CHAIN_COMBO = frozenset({NGRAM, NONE, CHAIN})
 
 
 def decide(rows: Sequence[RowOptions], costs: dict, min_gain: float = MIN_GAIN) -> Decision:
     """Choose every request's option and chain length to maximise expected tokens/s.
 
     Enumerates plain decoding and the fixed-cost options (draft forward on/off ×
-    fused heads on/off, n-gram chains always allowed); for each, finds the best plan
+    fused heads on/off, n-gram chains always allowed; self-speculative chains of each
+    length ``L`` with n-gram chains); for each, finds the best plan
     (see module doc) and keeps the best throughput. A plan that switches the forward
     on but gives it no row is the same as the plan without it, so it is never
     preferred; a plan that drafts pays ``g`` once, so plain decoding wins when the
@@ -315,6 +348,12 @@ def decide(rows: Sequence[RowOptions], costs: dict, min_gain: float = MIN_GAIN) 
             plain = (d.throughput, d.kinds, d.lengths, d.step_seconds, d.expected_tokens)
             continue
         plan = _plan(cands, allowed, costs)
+        if best is None or plan[0] > best[0] * (1 + 1e-12):
+            best = plan
+    lmax = max((len(r.cums[CHAIN]) for r in rows if CHAIN in r.cums), default=0)
+    for L in range(1, lmax + 1):
+        # rows forced to another option (exploration, the cycle policy) take it beside the chains
+        plan = _plan(cands, _CHAIN_COMBO | forced_kinds, costs, chain_len=L)
         if best is None or plan[0] > best[0] * (1 + 1e-12):
             best = plan
     if plain is not None and (best is None or not any(best[2])

@@ -17,7 +17,7 @@ import numpy as np
 
 from vllm_tokenswift.core.config import DRAFT_TOKEN_COST_PRIOR
 # the options the policy chooses from per request and step
-from vllm_tokenswift.core.step import DRAFT_KINDS, FORWARD, FUSED, KINDS, NGRAM, NONE  # noqa: F401
+from vllm_tokenswift.core.step import CHAIN, DRAFT_KINDS, FORWARD, FUSED, KINDS, NGRAM, NONE  # noqa: F401
 
 
 # ============================================================== cost model
@@ -361,7 +361,7 @@ class AcceptanceModel:
 
     depth: int
     prior_weight: float = 8.0
-    initial: dict = field(default_factory=lambda: {FORWARD: 0.6, FUSED: 0.4, NGRAM: 0.5})
+    initial: dict = field(default_factory=lambda: {FORWARD: 0.6, CHAIN: 0.6, FUSED: 0.4, NGRAM: 0.5})
     engine: dict = field(init=False)      # group -> option -> DepthCounts
 
     def __post_init__(self) -> None:
