@@ -11,8 +11,9 @@ power: the same statistic separates plain decoding with and without min_p (p < 1
 
 Two TokenSwift engines (and one plain engine, all on one random target, shared by the
 tests below): the default adaptive policy, and ``policy="cycle"``, which makes
-every request switch between the draft forward, fused heads, an n-gram chain and no draft
-from one step to the next. A third setting mixes four different prompts (different
+every request switch between the draft forward, a self-speculative chain (its tokens drawn
+one forward after another, each from the q handed over), fused heads, an n-gram chain and
+no draft from one step to the next. A third setting mixes four different prompts (different
 lengths and ``max_tokens``, so requests finish at different steps and batch rows move)
 in one batch and tests each prompt's histograms separately: a misalignment between the
 draft distributions handed to the rejection sampler and the requests would show there.
@@ -177,8 +178,8 @@ def test_same_distribution_per_prompt_in_a_mixed_batch(samples, policy):
 
 def test_cycle_switched_between_all_options(samples):
     kinds = samples[3]["cycle"]["steps_by_kind"]
-    assert all(kinds[k] > 500 for k in ("forward", "fused", "none")), kinds
-    assert samples[3]["cycle"]["accepted_fused"] > 0
+    assert all(kinds[k] > 500 for k in ("forward", "chain", "fused", "none")), kinds
+    assert samples[3]["cycle"]["accepted_fused"] > 0 and samples[3]["cycle"]["accepted_chain"] > 0
 
 
 def test_drafts_were_both_accepted_and_rejected(samples):
