@@ -530,7 +530,7 @@ def test_decision_mix_in_summary_csv_and_breakdown(tmp_path):
     assert ts["accepted_by_kind"] == {"forward": 118, "fused": 22, "ngram": 30, "none": 0}
     assert next(r for r in rows if r["method"] == "ar")["steps_by_kind"] is None
     md = report.markdown_table(rows)
-    assert "decision mix % fwd/fused/ngram/none" in md.splitlines()[0]
+    assert "decision mix % fwd/fused/ngram/none[/chain]" in md.splitlines()[0]
     assert "| 60/20/20/0 |" in md
     bars = report.step_breakdown(rows)
     assert bars[0]["decision_mix"] is None

@@ -77,7 +77,7 @@ def test_markdown_bold_runs_footnotes(folders):
     methods, rows = st.settings_table(st.load_invocations(folders), floor=0.97)
     md = st.markdown(methods, rows).splitlines()
     assert md[0] == ("| setting | AR tok/s | tokenswift | tokenswift-paper | ngram | suffix | "
-                     "tokenswift decision mix % fwd/fused/ngram/none | tokenswift ≥ 0.97x AR | "
+                     "tokenswift decision mix % fwd/fused/ngram/none[/chain] | tokenswift ≥ 0.97x AR | "
                      "tokenswift ≥ best peer |")
     assert md[2] == ("| SmolLM2-135M-Instruct, greedy, 2K, b=1 | 10.0 | **4.90x** (4.800, 5.000) | 3.00x | – "
                      "| 4.75x (5.000, 4.500) | 0/10/80/10 | yes | yes (suffix) |")

@@ -78,7 +78,7 @@ RECORD_FIELDS: list[str] = [
 SUMMARY_COLUMNS: list[str] = [
     "method", "sampling", "batch", "gen_len", "repeats", "tok/s med", "tok/s min",
     "ms/tok med", "ms/tok min", "speedup med", "decode speedup med", "alpha", "mean acc len", "beta",
-    "draft share", "decision mix % fwd/fused/ngram/none", "identical to AR", "distinct-1", "distinct-2", "distinct-3", "distinct-4",
+    "draft share", "decision mix % fwd/fused/ngram/none[/chain]", "identical to AR", "distinct-1", "distinct-2", "distinct-3", "distinct-4",
     "note",
 ]
 
@@ -367,7 +367,7 @@ def step_breakdown(rows: list[dict]) -> list[dict]:
     ar = {(r["sampling"], r["batch_size"], r["gen_len"]): r for r in rows if r["method"] == "ar"}
     done_ar = set()
     for r in rows:
-        if not (str(r["method"]).startswith("tokenswift") and r.get("time_draft_s") is not None
+        if not (r.get("time_draft_s") is not None
                 and r.get("wall_s") and r.get("mean_accepted_length") and r.get("gen_len")):
             continue
         key = (r["sampling"], r["batch_size"], r["gen_len"])
@@ -402,7 +402,7 @@ def step_breakdown_table(rows: list[dict]) -> str:
     by_key = {(r["method"], r["sampling"], r["batch_size"], r["gen_len"]): r for r in rows}
     lines = ["| method | sampling | batch | gen_len | steps per request | tokens per step | "
              "ms per step | proposer ms | verification ms | other ms | "
-             "decision mix % fwd/fused/ngram/none | accepted per step fwd/fused/ngram |",
+             "decision mix % fwd/fused/ngram/none[/chain] | accepted per step fwd/fused/ngram[/chain] |",
              "|" + "|".join(["---"] * 12) + "|"]
     for b in bars:
         r = by_key.get((b["method"], b["sampling"], b["batch_size"], b["gen_len"]), {})
@@ -411,7 +411,7 @@ def step_breakdown_table(rows: list[dict]) -> str:
         per = "–"
         if isinstance(sbk, dict) and isinstance(abk, dict):
             per = "/".join(_fmt((abk.get(k) or 0) / sbk[k], 2) if sbk.get(k) else "–"
-                           for k in ("forward", "fused", "ngram"))
+                           for k in ("forward", "fused", "ngram") + (("chain",) if sbk.get("chain") else ()))
         mix = format_decision_mix(sbk) if b["method"] != "ar" else None
         lines.append("| " + " | ".join([
             str(b["method"]), str(b["sampling"]), str(b["batch_size"]), str(b["gen_len"]),

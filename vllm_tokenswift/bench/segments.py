@@ -100,7 +100,7 @@ def markdown(records: list[dict]) -> str:
     for sampling, method in keys:
         runs = [r for r in records if (r["sampling"], r["method"]) == (sampling, method) and r.get("segments")]
         out += [f"### {method}, {sampling}" + (f" ({len(runs)} runs; each row their median)" if len(runs) > 1 else ""),
-                "", "| tokens | tok/s | × AR | tokens/step | α | β | decision mix % fwd/fused/ngram/none "
+                "", "| tokens | tok/s | × AR | tokens/step | α | β | decision mix % fwd/fused/ngram/none[/chain] "
                 "| proposer ms/step | history tokens | n-gram entries | RSS MB | distinct-1..4 |",
                 "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for i, seg in enumerate(runs[0]["segments"]):

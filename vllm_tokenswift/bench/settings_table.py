@@ -159,7 +159,7 @@ def markdown(methods: Sequence[str], rows: Sequence[dict], focus: str = "tokensw
             for n in (row["cells"].get(m) or {}).get("notes", []):
                 marks.setdefault(n, len(marks) + 1)
     marks_txt = {n: f"[{i}]" for n, i in marks.items()}
-    head = ["setting", "AR tok/s", *methods, f"{focus} decision mix % fwd/fused/ngram/none",
+    head = ["setting", "AR tok/s", *methods, f"{focus} decision mix % fwd/fused/ngram/none[/chain]",
             f"{focus} ≥ {floor:g}x AR", f"{focus} ≥ best peer"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
     verdict = {True: "yes", False: "**no**", None: "–"}
