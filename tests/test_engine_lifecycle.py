@@ -92,7 +92,7 @@ def test_mixed_batch_of_36_greedy_equal(book_tokens):
     rows = seg_rec["segments"]
     assert rows[0]["start"] == 1 and rows[-1]["end"] == 48 and len(rows) >= 3
     assert sum(r["tokens"] for r in rows) == 47
-    assert all(set(r["steps_by_kind"]) == {"forward", "fused", "ngram", "none"} for r in rows)
+    assert all(set(r["steps_by_kind"]) == {"forward", "chain", "fused", "ngram", "none"} for r in rows)
     assert rows[-1]["history_tokens"] > 0 and rows[-1]["ngram_entries"] > 0 and rows[-1]["rss_bytes"] > 0
     stopped = 0
     for i, (w, g) in enumerate(zip(want, got)):

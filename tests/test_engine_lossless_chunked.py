@@ -19,7 +19,7 @@ def chunked_runs(tmp_path_factory):
     # ~12K tokens of KV for 8 requests of up to 3.3K tokens: preemption is certain
     return run_pair(str(model), str(heads), tmp_extra={"max_num_batched_tokens": 256, "max_num_seqs": 8,
                                                        "kv_cache_memory_bytes": 12 * 2**20},
-                    ts_over={"policy": "triforce", "chain_length": 3}, modes=(None, "window"))   # the global penalty is covered by the other pairs
+                    ts_over={"policy": "triforce", "chain_length": 2}, modes=(None, "window"))   # the global penalty is covered by the other pairs
 
 
 @pytest.mark.parametrize("mode", [None, "window"])
@@ -34,5 +34,5 @@ def test_preemption_happened(chunked_runs):
     # chains on every drafting step, several forwards each, and accepted
     kinds = stats["steps_by_kind"]
     assert kinds["chain"] > 1000 and kinds["forward"] == kinds["fused"] == kinds["ngram"] == 0, kinds
-    assert stats["chain_forward_rows"] > 2 * kinds["chain"] and stats["accepted_chain"] > 0
+    assert stats["chain_forward_rows"] > 1.5 * kinds["chain"] and stats["accepted_chain"] > 0
     assert stats["skipped_no_slot"] == 0

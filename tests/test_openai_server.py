@@ -180,10 +180,10 @@ def test_tokenswift_counters_on_metrics(servers):
                 "draft_forwards"):
         assert f"# TYPE vllm_tokenswift:{fam}_total counter" in text, fam
     acc = metric_samples(servers["ts"], "vllm_tokenswift:accepted_tokens_total")
-    assert set(acc) == {f'{{engine="0",model_name="{MODEL}",source="{s}"}}' for s in ("fused", "heads", "ngram")}
+    assert set(acc) == {f'{{engine="0",model_name="{MODEL}",source="{s}"}}' for s in ("chain", "fused", "heads", "ngram")}
     steps = metric_samples(servers["ts"], "vllm_tokenswift:draft_steps_total")
     assert set(steps) == {f'{{engine="0",kind="{k}",model_name="{MODEL}"}}'
-                          for k in ("forward", "fused", "ngram", "none")}
+                          for k in ("forward", "chain", "fused", "ngram", "none")}
     assert sum(steps.values()) > 0
     assert metric_total(servers["ts"], "vllm_tokenswift:draft_seconds_total") > 0
     # TokenSwift's accepted tokens are a subset of vLLM's count (a request's last
