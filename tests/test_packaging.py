@@ -43,6 +43,13 @@ def test_extras_and_supported_range():
     assert need <= _names(extras["test"])
 
 
+def test_license_is_an_spdx_expression():
+    # PEP 639: a TOML table for `project.license` is deprecated by setuptools (a warning on
+    # every install, an error from 2027-02-18); the SPDX string needs setuptools >= 77
+    assert PYPROJECT["project"]["license"] == "Apache-2.0"
+    assert "setuptools>=77" in PYPROJECT["build-system"]["requires"]
+
+
 @pytest.mark.engine  # imports vLLM in a subprocess
 def test_core_plugin_imports_without_optional_dependencies():
     code = textwrap.dedent(f"""
