@@ -76,11 +76,13 @@ def vllm_server(model: str, args: list[str], log_path: Path, *, timeout_s: float
 
 
 @contextlib.contextmanager
-def vllm_servers(specs, *, timeout_s: float = 300.0):
+def vllm_servers(specs, *, timeout_s: float = 300.0, before_wait=None):
     """Start several servers at once (``specs``: ``(model, args, log_path, env)`` each), so
     that their start-ups (each imports vLLM in three processes) overlap; yields their base
     URLs in order once every one answers /health. All are stopped, and their ports checked
     free, on exit, also when a start fails or the body of the ``with`` block does.
+    ``before_wait``, if given, is called once every server process is spawned and before
+    waiting for /health (work that overlaps the start-ups).
 
     Raises:
         RuntimeError: a server exited or did not answer /health within ``timeout_s``.
@@ -96,6 +98,8 @@ def vllm_servers(specs, *, timeout_s: float = 300.0):
                                     start_new_session=True)
             procs.append((proc, port, log, Path(log_path)))
         deadline = time.time() + timeout_s
+        if before_wait is not None:
+            before_wait()
         for proc, port, _, log_path in procs:
             base = f"http://127.0.0.1:{port}"
             while True:

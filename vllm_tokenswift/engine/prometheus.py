@@ -14,6 +14,15 @@ Exported under the ``vllm_tokenswift:`` prefix with vLLM's own labels
 
     vllm_tokenswift:accepted_tokens_total{engine="0",model_name="demo",source="ngram"} 812.0
 
+Besides the counters, four gauges from the same fetch (:func:`gauges_from_rpc`) show what
+the proposer holds: ``live_requests`` (requests with per-request state: n-gram table,
+view, sampling state), ``stale_requests`` (states of requests the runner no longer
+knows; must stay 0), ``history_tokens`` (tokens the live n-gram tables index) and
+``worker_rss_bytes`` (the worker process's resident set). Once the engine has drained,
+``live_requests`` must read 0: while it does not, the exporter keeps fetching on an idle
+engine (at most :data:`IDLE_SETTLE_REFRESHES` times), so the gauges show the state after
+vLLM's last step released the finished requests.
+
 * One API server (vLLM's default): a custom collector on vLLM's registry exports
   true Prometheus counters.
 * Several API servers (``--api-server-count > 1``, vLLM's multiprocess Prometheus
@@ -38,6 +47,23 @@ DEFAULT_INTERVAL_S = 2.0
 BASE_LABELS = ("model_name", "engine")
 
 Sample = tuple  # (name, help, labels: dict, value: float), see TokenSwiftStats.prometheus_samples
+#: fetches on an idle engine while ``live_requests`` is not yet 0 (the finished requests'
+#: states are released by the runner's next step, which may come after the first idle fetch)
+IDLE_SETTLE_REFRESHES = 5
+
+#: gauge name -> (help, how to read it from the worker's ``tokenswift_stats`` dict)
+GAUGES = {
+    "live_requests": ("Requests the proposer holds per-request state for (n-gram table, draft view, "
+                      "sampling state); 0 once the engine has drained",
+                      lambda d: d.get("num_live_requests")),
+    "stale_requests": ("Proposer states of requests vLLM's runner no longer knows (finished, aborted "
+                       "or preempted but not freed); must stay 0",
+                       lambda d: d.get("num_stale_states")),
+    "history_tokens": ("Tokens indexed by the live requests' n-gram tables",
+                       lambda d: (d.get("memory") or {}).get("history_tokens")),
+    "worker_rss_bytes": ("Resident set size of the worker process that runs the proposer, in bytes",
+                         lambda d: (d.get("memory") or {}).get("rss_bytes")),
+}
 
 
 def interval_from_env() -> float:
@@ -59,50 +85,59 @@ def interval_from_env() -> float:
 
 
 class TokenSwiftCollector:
-    """A ``prometheus_client`` custom collector serving the latest cached samples as
-    counters (``CounterMetricFamily``; ``_total`` names keep their suffix on samples)."""
+    """A ``prometheus_client`` custom collector serving the latest cached samples: the
+    counters as counters (``CounterMetricFamily``; ``_total`` names keep their suffix on
+    samples), the :data:`GAUGES` as gauges."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._samples: dict[tuple[str, str], list[Sample]] = {}
+        self._gauges: dict[tuple[str, str], list[Sample]] = {}
 
-    def update(self, model_name: str, engine: str, samples: list[Sample]) -> None:
-        """Replace the samples of one engine."""
+    def update(self, model_name: str, engine: str, samples: list[Sample],
+               gauges: list[Sample] | None = None) -> None:
+        """Replace the counter samples (and, when given, the gauge samples) of one engine."""
         with self._lock:
             self._samples[(model_name, engine)] = list(samples)
+            if gauges is not None:
+                self._gauges[(model_name, engine)] = list(gauges)
 
     def clear(self) -> None:
         with self._lock:
             self._samples.clear()
+            self._gauges.clear()
 
     def describe(self):
         return []  # names are dynamic; do not collect at registration time
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         with self._lock:
-            items = sorted(self._samples.items())
-        families: dict[str, tuple] = {}
-        for (model, engine), samples in items:
-            for name, help_text, labels, value in samples:
-                keys = tuple(sorted(labels))
-                fam = families.get(name)
-                if fam is None:
-                    fam = (CounterMetricFamily(PREFIX + name, help_text, labels=[*BASE_LABELS, *keys]), keys)
-                    families[name] = fam
-                fam[0].add_metric([model, engine, *(str(labels[k]) for k in fam[1])], float(value))
-        for fam, _ in families.values():
-            yield fam
+            kinds = ((CounterMetricFamily, sorted(self._samples.items())),
+                     (GaugeMetricFamily, sorted(self._gauges.items())))
+        for family_cls, items in kinds:
+            families: dict[str, tuple] = {}
+            for (model, engine), samples in items:
+                for name, help_text, labels, value in samples:
+                    keys = tuple(sorted(labels))
+                    fam = families.get(name)
+                    if fam is None:
+                        fam = (family_cls(PREFIX + name, help_text, labels=[*BASE_LABELS, *keys]), keys)
+                        families[name] = fam
+                    fam[0].add_metric([model, engine, *(str(labels[k]) for k in fam[1])], float(value))
+            for fam, _ in families.values():
+                yield fam
 
 
 class _MultiprocessSink:
-    """Gauges in ``max`` multiprocess mode (vLLM's multi-API-server Prometheus mode)."""
+    """Gauges in multiprocess mode (vLLM's multi-API-server Prometheus mode): the counters
+    merged with ``max`` (the freshest), the :data:`GAUGES` with ``mostrecent``."""
 
     def __init__(self) -> None:
         self._gauges: dict[str, object] = {}
 
-    def update(self, model_name: str, engine: str, samples: list[Sample]) -> None:
+    def _set(self, samples: list[Sample], model_name: str, engine: str, mode: str) -> None:
         from prometheus_client import Gauge
 
         for name, help_text, labels, value in samples:
@@ -110,9 +145,14 @@ class _MultiprocessSink:
             g = self._gauges.get(name)
             if g is None:
                 g = Gauge(PREFIX + name, help_text, labelnames=[*BASE_LABELS, *keys],
-                          multiprocess_mode="max", registry=None)
+                          multiprocess_mode=mode, registry=None)
                 self._gauges[name] = g
             g.labels(model_name, engine, *(str(labels[k]) for k in keys)).set(float(value))
+
+    def update(self, model_name: str, engine: str, samples: list[Sample],
+               gauges: list[Sample] | None = None) -> None:
+        self._set(samples, model_name, engine, "max")
+        self._set(gauges or [], model_name, engine, "mostrecent")
 
 
 _collector: TokenSwiftCollector | None = None
@@ -131,13 +171,42 @@ def collector() -> TokenSwiftCollector:
         return _collector
 
 
+def _first_worker(results) -> dict | None:
+    for r in results or ():
+        if isinstance(r, dict) and r.get("prometheus_samples") is not None:
+            return r
+    return None
+
+
 def samples_from_rpc(results) -> list[Sample] | None:
     """The samples of the first worker that answered ``tokenswift_stats`` (tensor-parallel
     ranks hold identical counters), or None if no worker runs TokenSwift."""
-    for r in results or ():
-        if isinstance(r, dict) and r.get("prometheus_samples") is not None:
-            return [tuple(s) for s in r["prometheus_samples"]]
-    return None
+    r = _first_worker(results)
+    return None if r is None else [tuple(s) for s in r["prometheus_samples"]]
+
+
+def gauges_from_rpc(results) -> list[Sample] | None:
+    """The :data:`GAUGES` of the first worker that answered ``tokenswift_stats``, as
+    ``(name, help, {}, value)`` samples (a gauge the worker does not report, e.g. the RSS
+    where ``/proc`` is missing, is left out), or None if no worker runs TokenSwift.
+    Values: request counts, tokens, bytes."""
+    r = _first_worker(results)
+    if r is None:
+        return None
+    out = []
+    for name, (help_text, read) in GAUGES.items():
+        v = read(r)
+        if v is not None:
+            out.append((name, help_text, {}, float(v)))
+    return out
+
+
+def _settled(gauges: list[Sample] | None) -> bool:
+    """Whether the fetched gauges show no live request (or carry no such gauge)."""
+    for name, _, _, value in gauges or ():
+        if name == "live_requests":
+            return value == 0
+    return True
 
 
 class TokenSwiftMetricsExporter:
@@ -163,6 +232,8 @@ class TokenSwiftMetricsExporter:
         self.task: asyncio.Task | None = None
         self.refreshes = 0
         self.skipped_idle = 0
+        #: whether the last fetch showed no live request (see :data:`IDLE_SETTLE_REFRESHES`)
+        self.settled = True
 
     async def refresh(self) -> bool:
         """Fetch once; returns whether samples were received."""
@@ -170,7 +241,9 @@ class TokenSwiftMetricsExporter:
         samples = samples_from_rpc(res)
         if samples is None:
             return False
-        self.sink.update(self.model_name, self.engine, samples)
+        gauges = gauges_from_rpc(res)
+        self.sink.update(self.model_name, self.engine, samples, gauges)
+        self.settled = _settled(gauges)
         self.refreshes += 1
         return True
 
@@ -192,11 +265,15 @@ class TokenSwiftMetricsExporter:
         (``skipped_idle`` counts the skipped refreshes): every ``collective_rpc`` wakes
         vLLM's shared-memory queues, whose readers then busy-poll for a second, so a
         fetch every 2 s kept an idle server's worker and engine core spinning about half
-        the time (on a 2-vCPU machine, a second idle server slowed the busy one ~7x)."""
+        the time (on a 2-vCPU machine, a second idle server slowed the busy one ~7x).
+        The one exception: while an idle fetch still shows live requests (the runner
+        releases the last finished requests' states in the step after they finish), the
+        loop fetches again, at most :data:`IDLE_SETTLE_REFRESHES` times in a row."""
         from vllm.v1.engine.exceptions import EngineDeadError
 
         warned = False
         fetched_idle = False
+        idle_fetches = 0
         while True:
             busy = self._busy()
             if busy is False and fetched_idle:
@@ -205,7 +282,8 @@ class TokenSwiftMetricsExporter:
                 continue
             try:
                 await self.refresh()
-                fetched_idle = busy is False
+                idle_fetches = idle_fetches + 1 if busy is False else 0
+                fetched_idle = busy is False and (self.settled or idle_fetches >= IDLE_SETTLE_REFRESHES)
             except asyncio.CancelledError:
                 raise
             except EngineDeadError:
