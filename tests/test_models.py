@@ -77,14 +77,23 @@ def test_tokenizer_round_trip(smollm2):
     assert tok.decode(ids) == text
 
 
-def test_greedy_tokens_equal_gguf_and_converted_folder(smollm2):
+@pytest.fixture(scope="module")
+def gguf_model():
+    """``(model, tokenizer)`` dequantised from the bundled GGUF by transformers' GGUF loader
+    (:func:`models.load_gguf_model`, about 20 s here), loaded once for the two tests below."""
+    import torch
+
+    gguf_path, _ = models.locate_gguf()
+    return models.load_gguf_model(gguf_path, torch.float32)
+
+
+def test_greedy_tokens_equal_gguf_and_converted_folder(smollm2, gguf_model):
     """transformers on the GGUF itself and on the converted folder: same logits, same
     greedy continuation."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf_path, _ = models.locate_gguf()
-    ref, ref_tok = models.load_gguf_model(gguf_path, torch.float32)
+    ref, ref_tok = gguf_model
     conv = AutoModelForCausalLM.from_pretrained(str(smollm2), dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(str(smollm2))
     prompt = "The capital of France is"
@@ -101,15 +110,16 @@ def test_greedy_tokens_equal_gguf_and_converted_folder(smollm2):
     assert "Paris" in tok.decode(gb[0, ids.shape[1]:])
 
 
-def test_fresh_conversion_reproduces_the_cached_folder(smollm2, tmp_path):
-    """convert_gguf (load_gguf_model + save_dequantised) into a new folder writes the same
-    weights, byte for byte, as the cached folder, a loadable config without the GGUF
+def test_fresh_conversion_reproduces_the_cached_folder(smollm2, gguf_model, tmp_path):
+    """A fresh conversion (``convert_gguf`` is ``load_gguf_model`` then
+    ``save_dequantised``; the load is the shared fixture's) into a new folder writes the
+    same weights, byte for byte, as the cached folder, a loadable config without the GGUF
     quantization_config, the tokenizer, and files readable by all."""
     import torch
     from transformers import AutoConfig
 
-    gguf_path, _ = models.locate_gguf()
-    files = models.convert_gguf(gguf_path, tmp_path / "conv")
+    model, tok = gguf_model
+    files = models.save_dequantised(model, tmp_path / "conv", tok)
     out = tmp_path / "conv"
     assert files["model.safetensors"]["sha256"] == models.sha256_file(smollm2 / "model.safetensors")
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(files)

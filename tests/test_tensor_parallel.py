@@ -15,7 +15,7 @@ the ones single-rank TokenSwift selects.
    single process with all heads selects; a control shows that per-rank importance
    alone would select different blocks (so the test can fail). It also checks that
    the KV key layout detection agrees across ranks (one rank failing -> all fall back).
-2. ``test_engine_tp2_lossless`` (engine, about 2-3 min with both ranks on one CPU core): the bundled demo
+2. ``test_engine_tp2_lossless`` (engine, about 2.5 min with both ranks on one CPU core, most of it the three TP=2 engines starting): the bundled demo
    model with ``tensor_parallel_size=2``, TokenSwift vs plain decoding at TP=2, greedy,
    token-identical, drafts accepted; then a sampled run (temperature 1, min_p, windowed
    penalty) on the same engine; both ranks' TokenSwift counters must be identical (same
@@ -252,8 +252,8 @@ def test_sum_over_ranks_single_rank_is_identity():
 ASSETS = Path(__file__).resolve().parents[1] / "vllm_tokenswift" / "assets"
 PROMPT_FILES = ["1342-2k.txt", "84-2k.txt"]
 PROMPT_TOKENS = 600
-GEN_TOKENS = 256
-SAMPLED_TOKENS = 64
+GEN_TOKENS = 128
+SAMPLED_TOKENS = 32
 
 
 def _first_allowed_cpu() -> int:
@@ -286,6 +286,9 @@ def _stable(stats: dict) -> dict:
 
 @pytest.fixture
 def omp_bind(monkeypatch):
+    # the TP workers get 1 s to exit on shutdown before vLLM sends SIGTERM (default 5 s:
+    # with both ranks on one core they took 7 s per engine, a tenth of the test)
+    monkeypatch.setenv("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "1")
     # TP=2 needs one entry per rank; a single-entry binding (e.g. "1", used to pin other
     # engine tests) is replaced too
     bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
