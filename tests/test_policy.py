@@ -135,6 +135,32 @@ def test_draft_token_prior_is_a_fraction_of_the_whole_batch_step():
     assert cm.costs()["b"] == pytest.approx(0.002, rel=1e-6)
 
 
+def test_an_outlier_first_step_does_not_scale_the_priors():
+    """The priors are fractions of the median draft-free step in the window, not of the
+    first step observed: the first decode step after a 16K-token prefill took 244 ms
+    against 17 ms for the next ones (demo model), and priors scaled by it held ``b`` at
+    16 ms per draft token (the steps measured ~3) while the window saw one drafting step,
+    so the policy priced drafts out at long context."""
+    cm = pol.CostModel()
+    cm.observe_step(0.244, rows=1, draft_tokens=0)              # the outlier, first
+    for _ in range(62):
+        cm.observe_step(0.017, rows=1, draft_tokens=0)
+    cm.observe_step(0.0231, rows=1, draft_tokens=1)              # one drafting step: +6 ms
+    c = cm.costs()
+    # a is the window's least-squares fit, outlier included (it leaves after 64 steps)
+    assert c["a"] == pytest.approx((0.244 + 62 * 0.017) / 63, rel=0.03)
+    # g and b stay near their priors (fractions of 17 ms) and explain the one drafting step
+    assert c["b"] < 0.006 and c["g"] < 0.008, c
+    assert c["a"] + c["g"] + c["b"] == pytest.approx(0.0231, abs=0.004)
+    # the draft forward's prior too: 0.8 + 0.3 plain steps of 17 ms, not of 244
+    assert c["f0"] + c["f1"] == pytest.approx((cm.prior_forward + cm.prior_forward_row) * c["a"], rel=0.05)
+    # before any draft-free step, the median of all observed steps
+    only = pol.CostModel()
+    only.observe_step(0.03, rows=1, draft_tokens=2)
+    assert only._a_prior() == pytest.approx(0.03)
+    assert pol.CostModel()._a_prior() == 1.0
+
+
 def test_acceptance_counts_and_shrinkage():
     am = pol.AcceptanceModel(depth=4, prior_weight=4.0)
     req = am.new_request()

@@ -284,6 +284,14 @@ def main() -> None:
                 records[name].append({"round": rnd, "wall_s": wall, "steps": steps, "first": first})
                 label = name if args.rounds == 1 else f"{name} (round {rnd})"
                 print(_summary(label, wall, steps, first), file=out, flush=True)
+                if specs[name] is not None and specs[name]["method"] == "tokenswift":
+                    from vllm_tokenswift.engine.stats_rpc import get_engine_stats
+
+                    st = get_engine_stats(llm) or {}
+                    cm = st.get("cost_model") or {}
+                    print("  adaptive policy's cost model (ms): " + ", ".join(
+                        f"{k} {v * 1000:.1f}" for k, v in cm.items()) + f"; steps by kind {st.get('steps_by_kind')}",
+                          file=out, flush=True)
                 if args.rounds == 1:
                     teardown_engine(llm)
         if args.rounds > 1:

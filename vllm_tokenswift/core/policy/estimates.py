@@ -191,7 +191,7 @@ class CostModel:
     _step: _RidgeFit = field(init=False)
     _fwd: _RidgeFit = field(init=False)
     _fus: _RidgeFit = field(init=False)
-    _a0: float | None = field(default=None, init=False)
+    _a0: float | None = field(default=None, init=False)     # the first step observed (readiness)
     _rows: deque = field(default_factory=deque, init=False)
     _plain: int = field(default=0, init=False)
     _frozen: dict | None = field(default=None, init=False)
@@ -264,8 +264,21 @@ class CostModel:
             self._stale_steps = 0
         return dict(self._cached)
 
+    def _a_prior(self) -> float:
+        """The plain step time the priors are fractions of: the median of the window's
+        draft-free step observations (of all of them while there is none; 1.0 before any).
+
+        The median, not the first observation: the first decode step after a long prefill
+        is an outlier (244 ms against 17 ms for the next ones at a 16K-token context on the
+        demo model), and priors scaled by it put ``b``, which the step fit holds near its
+        prior (its scale is ``4·rows``) while few drafting steps are in the window, at 16 ms
+        per draft token where the steps measured 3 (16K), 48 where they measured ~11 (64K),
+        so the policy priced chains and heads out at long context."""
+        ys = [y for x, y in self._step.rows if x[1] == 0.0] or [y for _x, y in self._step.rows]
+        return float(np.median(ys)) if ys else 1.0
+
     def _solve(self) -> dict:
-        a_prior = self._a0 if self._a0 is not None else 1.0
+        a_prior = self._a_prior()
         rows = sum(self._rows) / len(self._rows) if self._rows else 1.0
         a, g, b = self._step.solve((a_prior, self.prior_g * a_prior, self.prior_b * a_prior),
                                    (1.0, 1.0, 4.0 * rows))
