@@ -368,46 +368,35 @@ class HealthPoller:
                 "failures": list(self.failures)}
 
 
-def read_metrics(base: str, timeout: float = 30.0) -> dict[str, float]:
-    """``/metrics`` as ``{name + label text: value}`` (``'vllm:num_preemptions_total{...}'``)."""
+def read_metrics(base: str, timeout: float = 30.0) -> list[tuple[str, dict[str, str], float]]:
+    """``/metrics`` as ``(sample name, labels, value)`` samples, parsed by
+    ``prometheus_client.parser`` (counters' samples keep their ``_total`` suffix)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     conn = _conn(base, timeout)
     try:
         conn.request("GET", "/metrics")
         text = conn.getresponse().read().decode()
     finally:
         conn.close()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            head, _, value = line.rpartition(" ")
-            try:
-                out[head] = float(value)
-            except ValueError:
-                pass
-    return out
+    return [(s.name, dict(s.labels), float(s.value))
+            for fam in text_string_to_metric_families(text) for s in fam.samples]
 
 
-def metric(m: dict[str, float], name: str, **labels: str) -> float:
-    """Sum of metric ``name`` over the samples whose labels include ``labels``."""
-    total = 0.0
-    for head, v in m.items():
-        base, _, rest = head.partition("{")
-        if base != name:
-            continue
-        if all(f'{k}="{val}"' in rest for k, val in labels.items()):
-            total += v
-    return total
-
-
-GAUGE_NAMES = ("live_requests", "stale_requests", "history_tokens", "worker_rss_bytes")
+def metric(m: list[tuple[str, dict[str, str], float]], name: str, **labels: str) -> float:
+    """Sum of sample ``name`` over the samples whose labels include ``labels``."""
+    return sum(v for n, lab, v in m if n == name and all(lab.get(k) == val for k, val in labels.items()))
 
 
 def proposer_gauges(base: str) -> dict[str, float | None]:
-    """The plugin's gauges on ``/metrics`` (``vllm_tokenswift:<name>``, None where absent)."""
+    """The plugin's gauges on ``/metrics`` (:data:`vllm_tokenswift.engine.prometheus.GAUGES`,
+    ``vllm_tokenswift:<name>``; None where absent)."""
+    from vllm_tokenswift.engine.prometheus import GAUGES, PREFIX
+
     m = read_metrics(base)
     out: dict[str, float | None] = {}
-    for g in GAUGE_NAMES:
-        hits = [v for h, v in m.items() if h.partition("{")[0] == f"vllm_tokenswift:{g}"]
+    for g in GAUGES:
+        hits = [v for n, _lab, v in m if n == PREFIX + g]
         out[g] = hits[0] if hits else None
     return out
 

@@ -191,7 +191,6 @@ class CostModel:
     _step: _RidgeFit = field(init=False)
     _fwd: _RidgeFit = field(init=False)
     _fus: _RidgeFit = field(init=False)
-    _a0: float | None = field(default=None, init=False)     # the first step observed (readiness)
     _rows: deque = field(default_factory=deque, init=False)
     _plain: int = field(default=0, init=False)
     _frozen: dict | None = field(default=None, init=False)
@@ -212,8 +211,6 @@ class CostModel:
         ``rows`` requests verifying ``draft_tokens`` draft tokens in total."""
         if seconds <= 0 or rows <= 0:
             return
-        if self._a0 is None:
-            self._a0 = seconds
         if len(self._step) == self.window and self._step.rows[0][0][1] == 0.0:
             self._plain -= 1          # a plain observation leaves the window
         self._step.add((1.0, 1.0 if draft_tokens > 0 else 0.0, draft_tokens), seconds)
@@ -247,7 +244,7 @@ class CostModel:
     @property
     def ready(self) -> bool:
         """At least one step was observed (before that, :meth:`costs` is a guess)."""
-        return self._frozen is not None or self._a0 is not None
+        return self._frozen is not None or len(self._step) > 0
 
     def costs(self) -> dict:
         """``{"a", "g", "b", "f0", "f1", "h0", "h1"}`` in seconds (rank 0's numbers once
