@@ -205,33 +205,37 @@ def _best_tree_path(tree_tokens: Sequence[Sequence[int]], depth: int, context: l
 
     Same result as scoring every path of ``itertools.product`` with
     :func:`score_chain` (same floating-point operations in the same order, first
-    maximum kept), but depth-first, so each tree node's estimate ``q`` and its n-gram
+    maximum kept), but level by level: each tree node's estimate ``q`` and its n-gram
     lookups are computed once instead of once per path through it (39 instead of 81
-    for the paper's ``[1, 3, 3, 3]`` tree)."""
+    for the paper's ``[1, 3, 3, 3]`` tree), ``p_d(c)`` once per depth and token (it does
+    not depend on the path), and the paths of the last level are compared in
+    ``itertools.product`` order."""
     m = table.n - 1 if table is not None else 0
-    best: list = [-1.0, []]
-    path: list[int] = []
-
-    def visit(i: int, cum: float, total: float, tail: list[int]) -> None:
-        if i == depth:
-            if total > best[0]:
-                best[0], best[1] = total, list(path)
-            return
-        f_ctx = None
-        if table is not None:
-            ctx = tuple(tail[-m:])
-            cnt = table.ctx_counts.get(ctx) if len(ctx) == m else None
-            f_ctx = (ctx, cnt) if cnt else None
-        for tok in tree_tokens[i]:
-            f = table.counts.get(f_ctx[0] + (tok,), 0) / f_ctx[1] if f_ctx is not None else None
-            q = mix_estimate(prob(i, tok) if i < num_dists else None, f, mix)
-            c = cum * q
-            path.append(tok)
-            visit(i + 1, c, total + c, tail + [tok] if m else tail)
-            path.pop()
-
-    visit(0, 1.0, 0.0, list(context[-m:]) if m else [])
-    return best[0], best[1]
+    counts = table.counts if table is not None else None
+    ctx_counts = table.ctx_counts if table is not None else None
+    # a node: (path, Π q so far, Σ of the prefixes' Π q, the last m tokens before its children)
+    nodes: list[tuple[tuple[int, ...], float, float, tuple[int, ...]]] = [
+        ((), 1.0, 0.0, tuple(context[-m:]) if m else ())]
+    for i in range(depth):
+        toks = tree_tokens[i]
+        ps = [prob(i, tok) if i < num_dists else None for tok in toks]
+        nxt = []
+        for path, cum, total, tail in nodes:
+            cnt = ctx_counts.get(tail) if ctx_counts is not None and len(tail) == m else None
+            for tok, p in zip(toks, ps):
+                if cnt:
+                    f = counts.get(tail + (tok,), 0) / cnt
+                    q = f if p is None else mix * p + (1.0 - mix) * f
+                else:
+                    q = 0.0 if p is None else p
+                c = cum * q
+                nxt.append((path + (tok,), c, total + c, (tail + (tok,))[-m:] if m else tail))
+        nodes = nxt
+    best_total, best_path = -1.0, ()
+    for path, _cum, total, _tail in nodes:
+        if total > best_total:
+            best_total, best_path = total, path
+    return best_total, list(best_path)
 
 
 def extend_chain(chain: Chain, context: list[int], table: NGramTable, max_len: int, min_conf: float,

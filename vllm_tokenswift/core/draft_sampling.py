@@ -21,69 +21,73 @@ import torch
 from vllm_tokenswift.core.penalty import apply_min_p
 
 
-def penalty_mask(st, token_row: np.ndarray, pos: int, v: int, device) -> torch.Tensor:
-    """``[V]`` bool: tokens in the request's penalty history (the last ``st.window`` tokens
-    of prompt + output up to position ``pos``, or all of them), from counts kept
+def penalty_counts(st, token_row: np.ndarray, pos: int, v: int) -> np.ndarray:
+    """``[V]`` int32 counts of the tokens in the request's penalty history (the last
+    ``st.window`` tokens of prompt + output up to position ``pos``, or all of them), kept
     incrementally on the state: only the tokens that entered or left the window since the
-    last call are read.
+    last call are read. Returns ``st.pen_counts`` itself (do not modify it).
 
     Args:
         st: the request's :class:`~vllm_tokenswift.core.request_state.RequestState`
             (``pen_counts``/``pen_lo``/``pen_hi`` updated in place).
         token_row: the request's token ids (a row of vLLM's ``input_batch.token_ids_cpu``).
         pos: position of the newest token.
-        v: vocabulary size (token ids >= v are ignored).
+        v: vocabulary size (ids outside ``[0, v)`` are ignored).
     """
     hi = pos + 1
     lo = max(0, hi - st.window) if st.window else 0
-    if st.pen_counts is None or st.pen_counts.device != torch.device(device) or lo < st.pen_lo \
-            or hi < st.pen_hi or lo >= st.pen_hi:
-        st.pen_counts = torch.zeros(v, dtype=torch.int32, device=device)
+    if st.pen_counts is None or st.pen_counts.shape[0] != v or lo < st.pen_lo or hi < st.pen_hi \
+            or lo >= st.pen_hi:
+        st.pen_counts = np.zeros(v, dtype=np.int32)
         st.pen_lo = st.pen_hi = lo
     if hi > st.pen_hi:
-        add = torch.as_tensor(token_row[st.pen_hi: hi].astype(np.int64), device=device)
-        add = add[add < v]
-        st.pen_counts.index_add_(0, add, torch.ones_like(add, dtype=torch.int32))
+        add = token_row[st.pen_hi: hi]
+        np.add.at(st.pen_counts, add[(add >= 0) & (add < v)], 1)
     if lo > st.pen_lo:
-        sub = torch.as_tensor(token_row[st.pen_lo: lo].astype(np.int64), device=device)
-        sub = sub[sub < v]
-        st.pen_counts.index_add_(0, sub, torch.full_like(sub, -1, dtype=torch.int32))
+        sub = token_row[st.pen_lo: lo]
+        np.subtract.at(st.pen_counts, sub[(sub >= 0) & (sub < v)], 1)
     st.pen_lo, st.pen_hi = lo, hi
-    return st.pen_counts > 0
+    return st.pen_counts
 
 
-def chain_penalty_mask(st, token_row: np.ndarray, pos: int, chain: Sequence[int], v: int,
-                       device) -> torch.Tensor:
-    """``[V]`` bool: the penalty history of the draft position after ``chain``, the chain's
-    own earlier tokens counted as verification counts them.
+def chain_penalty_counts(st, token_row: np.ndarray, pos: int, chain: Sequence[int], v: int) -> np.ndarray:
+    """``[V]`` int32: the penalty history's counts at the draft position after ``chain``,
+    the chain's own earlier tokens counted as verification counts them.
 
     Verification samples the token at position ``pos + j + 1`` (``j = len(chain)``) with
     the penalty over the last ``st.window`` tokens before it: the request's tokens up to
     ``pos`` and the chain's ``j`` tokens at ``pos + 1 .. pos + j``; with a window the
     ``j`` oldest tokens of the window at ``pos`` leave it. Starts from the incremental
-    counts of :func:`penalty_mask` at ``pos`` (which it brings up to date) and adjusts a
-    copy; ``chain=[]`` is :func:`penalty_mask` itself.
-
-    Args:
-        st, token_row, pos, v, device: as :func:`penalty_mask`.
-        chain: the draft tokens already drawn at ``pos + 1 ..`` (ids >= ``v`` ignored).
+    counts of :func:`penalty_counts` at ``pos`` (which it brings up to date) and adjusts a
+    copy; ``chain=[]`` returns the state's own counts (do not modify them).
     """
-    base = penalty_mask(st, token_row, pos, v, device)
+    base = penalty_counts(st, token_row, pos, v)
     j = len(chain)
     if not j:
         return base
-    counts = st.pen_counts.clone()
+    counts = base.copy()
     hi = pos + 1 + j                       # the window ends before position pos + j + 1
     lo = max(0, hi - st.window) if st.window else 0
     if lo > st.pen_lo:                     # request tokens that left the window
-        gone = token_row[st.pen_lo: min(lo, pos + 1)].astype(np.int64)
-        gone = torch.as_tensor(gone[gone < v], device=device)
-        counts.index_add_(0, gone, torch.full_like(gone, -1, dtype=torch.int32))
-    new = [int(t) for t in chain[max(0, lo - (pos + 1)):] if int(t) < v]   # chain tokens in it
+        gone = token_row[st.pen_lo: min(lo, pos + 1)]
+        np.subtract.at(counts, gone[(gone >= 0) & (gone < v)], 1)
+    new = [int(t) for t in chain[max(0, lo - (pos + 1)):] if 0 <= int(t) < v]   # chain tokens in it
     if new:
-        add = torch.as_tensor(new, dtype=torch.long, device=device)
-        counts.index_add_(0, add, torch.ones_like(add, dtype=torch.int32))
-    return counts > 0
+        np.add.at(counts, new, 1)
+    return counts
+
+
+def penalty_mask(st, token_row: np.ndarray, pos: int, v: int, device) -> torch.Tensor:
+    """``[V]`` bool on ``device``: the tokens of :func:`penalty_counts` (the request's
+    penalty history up to position ``pos``)."""
+    return torch.from_numpy(penalty_counts(st, token_row, pos, v) > 0).to(device)
+
+
+def chain_penalty_mask(st, token_row: np.ndarray, pos: int, chain: Sequence[int], v: int,
+                       device) -> torch.Tensor:
+    """``[V]`` bool on ``device``: the tokens of :func:`chain_penalty_counts` (the penalty
+    history of the draft position after ``chain``)."""
+    return torch.from_numpy(chain_penalty_counts(st, token_row, pos, chain, v) > 0).to(device)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, mask: torch.Tensor, penalties: torch.Tensor) -> torch.Tensor:
@@ -125,11 +129,11 @@ def draft_distributions(states: Sequence, token_rows: Sequence[np.ndarray], posi
     n, ndist, v = logits.shape
     pen = [k for k, st in enumerate(states) if st.repetition_penalty != 1.0]
     if pen:
-        if chains is None:
-            mask = torch.stack([penalty_mask(states[k], token_rows[k], positions[k], v, logits.device) for k in pen])
-        else:
-            mask = torch.stack([chain_penalty_mask(states[k], token_rows[k], positions[k], chains[k], v,
-                                                   logits.device) for k in pen])
+        counts = np.empty((len(pen), v), dtype=np.int32)     # one host array, one copy to the device
+        for i, k in enumerate(pen):
+            counts[i] = (penalty_counts(states[k], token_rows[k], positions[k], v) if chains is None else
+                         chain_penalty_counts(states[k], token_rows[k], positions[k], chains[k], v))
+        mask = torch.from_numpy(counts > 0).to(logits.device)
         idx = torch.as_tensor(pen, dtype=torch.long, device=logits.device)
         sub = logits[idx].reshape(len(pen) * ndist, v)
         pens = torch.as_tensor([states[k].repetition_penalty for k in pen], dtype=torch.float32,

@@ -14,6 +14,7 @@ import hashlib
 import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from vllm_tokenswift.core.config import PolicyTuning
@@ -59,7 +60,7 @@ class RequestState:
     tried: dict = field(default_factory=dict)          # kind -> step it was last taken
     explore_gap: int = PolicyTuning().explore_every     # steps between forced tries
     all_accepted: bool = False   # last step verified a full-length chain and accepted all of it
-    pen_counts: torch.Tensor | None = None
+    pen_counts: np.ndarray | None = None
     pen_lo: int = 0
     pen_hi: int = 0
     policy_data: dict = field(default_factory=dict)

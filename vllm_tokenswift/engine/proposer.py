@@ -226,7 +226,7 @@ class TokenSwiftProposer:
         vectors), and ``rss_bytes``, this process's resident set (the worker's; with an
         in-process engine, the whole engine's)."""
         tables = [st.ngrams for st in self.states.values() if st.ngrams is not None]
-        pen = sum(st.pen_counts.numel() * st.pen_counts.element_size() for st in self.states.values()
+        pen = sum(st.pen_counts.nbytes for st in self.states.values()
                   if st.pen_counts is not None)
         try:
             with open("/proc/self/statm") as f:

@@ -175,10 +175,9 @@ def make_plan(q_start, q_len, seq_len, bt_row, *, num_kv_heads: int, gqa: int, h
 
 
 def _table_key(block_table: torch.Tensor, num_blocks: int, block_size: int) -> tuple:
-    try:
-        version = block_table._version
-    except RuntimeError:  # an inference-mode tensor has no version counter
-        version = -1
+    # an inference-mode tensor has no version counter (asking raises, and building that
+    # error costs more than the rest of the check)
+    version = -1 if block_table.is_inference() else block_table._version
     return (block_table.data_ptr(), block_table.shape, block_table.stride(0), version, num_blocks, block_size)
 
 
