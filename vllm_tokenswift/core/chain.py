@@ -223,11 +223,7 @@ def _best_tree_path(tree_tokens: Sequence[Sequence[int]], depth: int, context: l
         for path, cum, total, tail in nodes:
             cnt = ctx_counts.get(tail) if ctx_counts is not None and len(tail) == m else None
             for tok, p in zip(toks, ps):
-                if cnt:
-                    f = counts.get(tail + (tok,), 0) / cnt
-                    q = f if p is None else mix * p + (1.0 - mix) * f
-                else:
-                    q = 0.0 if p is None else p
+                q = mix_estimate(p, counts.get(tail + (tok,), 0) / cnt if cnt else None, mix)
                 c = cum * q
                 nxt.append((path + (tok,), c, total + c, (tail + (tok,))[-m:] if m else tail))
         nodes = nxt

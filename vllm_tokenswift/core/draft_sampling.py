@@ -21,6 +21,11 @@ import torch
 from vllm_tokenswift.core.penalty import apply_min_p
 
 
+def _in_vocab(ids: np.ndarray, v: int) -> np.ndarray:
+    """The entries of ``ids`` in ``[0, v)`` (numpy would wrap a negative index)."""
+    return ids[(ids >= 0) & (ids < v)]
+
+
 def penalty_counts(st, token_row: np.ndarray, pos: int, v: int) -> np.ndarray:
     """``[V]`` int32 counts of the tokens in the request's penalty history (the last
     ``st.window`` tokens of prompt + output up to position ``pos``, or all of them), kept
@@ -42,10 +47,10 @@ def penalty_counts(st, token_row: np.ndarray, pos: int, v: int) -> np.ndarray:
         st.pen_lo = st.pen_hi = lo
     if hi > st.pen_hi:
         add = token_row[st.pen_hi: hi]
-        np.add.at(st.pen_counts, add[(add >= 0) & (add < v)], 1)
+        np.add.at(st.pen_counts, _in_vocab(add, v), 1)
     if lo > st.pen_lo:
         sub = token_row[st.pen_lo: lo]
-        np.subtract.at(st.pen_counts, sub[(sub >= 0) & (sub < v)], 1)
+        np.subtract.at(st.pen_counts, _in_vocab(sub, v), 1)
     st.pen_lo, st.pen_hi = lo, hi
     return st.pen_counts
 
@@ -70,7 +75,7 @@ def chain_penalty_counts(st, token_row: np.ndarray, pos: int, chain: Sequence[in
     lo = max(0, hi - st.window) if st.window else 0
     if lo > st.pen_lo:                     # request tokens that left the window
         gone = token_row[st.pen_lo: min(lo, pos + 1)]
-        np.subtract.at(counts, gone[(gone >= 0) & (gone < v)], 1)
+        np.subtract.at(counts, _in_vocab(gone, v), 1)
     new = [int(t) for t in chain[max(0, lo - (pos + 1)):] if 0 <= int(t) < v]   # chain tokens in it
     if new:
         np.add.at(counts, new, 1)
