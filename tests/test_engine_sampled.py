@@ -143,6 +143,10 @@ def engines_run(tmp_path_factory):
             ts.collective_rpc("tokenswift_reset_stats")
             assert get_engine_stats(ts)["accepted_tokens"] == 0   # nothing carried over
             rep_out = token_ids(ts.generate(rep_prompt, _params("paper"), use_tqdm=False))
+            # a second pass for the counters only: n-gram drafts are accepted ~7 times per
+            # pass (about 2% of ~340 one-token drafts), so one pass alone has P(0) ~ 1e-3
+            # and the "some were accepted" check flaked; two passes make it ~1e-6
+            ts.generate(rep_prompt, _params("paper"), use_tqdm=False)
             rep_stats = get_engine_stats(ts)
         shutdown(ts)
     return {"samples": (base, out, metrics, stats), "repetitive": (rep_base, rep_out, rep_stats)}
@@ -234,7 +238,8 @@ def repetitive(engines_run):
     phrase's continuation as a point mass (q = one-hot) from the first step on, while the
     windowed repetition penalty pushes the target away from exactly those tokens, the
     case where a wrong q (or a draft the penalty was not applied to) would show. Run on
-    the plain and cycle engines of :func:`engines_run`."""
+    the plain and cycle engines of :func:`engines_run`; the cycle engine runs it twice and
+    its counters cover both passes (the distribution test uses the first)."""
     return engines_run["repetitive"]
 
 
@@ -244,5 +249,6 @@ def test_same_distribution_with_ngram_drafts_of_repeated_text(repetitive):
     p = _min_pvalue(base, out)
     assert p >= ALPHA / NEW, f"n-gram drafts of a repeated phrase changed the distribution (min p = {p:.2e})"
     # the n-gram path was taken, and its point-mass drafts were both accepted and rejected
-    assert stats["steps_by_kind"]["ngram"] > 150, stats["steps_by_kind"]
-    assert 0 < stats["accepted_ngram"] < stats["draft_tokens_ngram"], stats
+    assert stats["steps_by_kind"]["ngram"] > 300, stats["steps_by_kind"]
+    shown = {k: stats[k] for k in ("accepted_ngram", "draft_tokens_ngram", "steps_by_kind")}
+    assert 0 < stats["accepted_ngram"] < stats["draft_tokens_ngram"], shown
