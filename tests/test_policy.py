@@ -297,6 +297,18 @@ def test_calibration_chain_cum_is_the_running_product_of_prob_bit_for_bit():
         assert got.tolist() == want.tolist()
 
 
+def test_calibration_priors_replace_the_bin_centre_per_token():
+    """``chain_cum(..., priors)``: a token with a prior shrinks its bin towards it instead
+    of the bin's centre; None keeps the centre; observations move both alike."""
+    cal = pol.Calibration(num_bins=10, positions=4, prior_weight=4.0)
+    np.testing.assert_allclose(cal.chain_cum([13, 13], [0.15, 0.15]), [0.15, 0.15 * 0.15])
+    np.testing.assert_allclose(cal.chain_cum([13, 13], [0.15, 0.15], [0.6, None]), [0.6, 0.6 * 0.15])
+    for _ in range(4):
+        cal.update([13], [0.15], 1, 1)          # position 0, bin 1: 4 of 4 accepted
+    np.testing.assert_allclose(cal.chain_cum([13], [0.15], [0.6]), [(4 + 4 * 0.6) / 8], rtol=1e-3)   # decay 0.999
+    np.testing.assert_allclose(cal.chain_cum([13], [0.15]), [(4 + 4 * 0.15) / 8], rtol=1e-3)
+
+
 def test_cut_length():
     assert pol.cut_length([0.9, 0.5, 0.2], 0.3) == 2
     assert pol.cut_length([0.1], 0.3) == 0

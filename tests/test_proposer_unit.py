@@ -556,6 +556,45 @@ def test_the_cut_keeps_the_first_token_past_it():
     assert c.chain.tokens == [5] and c.past_cut == (6, SOURCE_NGRAM, 0.95)
 
 
+def test_a_sampled_chain_drawn_from_q_is_cut_by_its_options_acceptance_not_by_its_confidence():
+    """A self-speculative chain of a sampled request: its tokens are drawn from q, whose
+    largest probability (the confidence, 0.15 here) does not tell how often such a token is
+    accepted (``min(1, p/q)``). Before any verification the cut takes the chain option's
+    acceptance estimate as the prior (its initial 0.6 > the threshold 0.45: one token kept,
+    0.36 for two is below it), not the bin centre 0.15 (which emptied every such chain not
+    forced, so its bins never learnt, and booked the option as rejected at position 0).
+    The same chain for a greedy request (argmax tokens: the confidence is the target's
+    probability of the token) keeps the bin centre and is cut away; n-gram tokens of a
+    sampled request (point masses) keep it too."""
+    from vllm_tokenswift.core.chain import SOURCE_CHAIN
+    from vllm_tokenswift.core.step import CHAIN
+
+    prop, policy = _adaptive()
+    sampled, greedy = _state(prop, "s", sampled_params()), _state(prop, "g", greedy_params())
+
+    def cut(st, sources, kind=CHAIN, threshold=0.45):
+        plan = StepPlan([_row(st)], [kind], [False], threshold, [{}])
+        return policy.cut(plan, 0, Chain([5, 6], list(sources), 0.0, [0.15, 0.15])).chain.tokens
+
+    assert cut(sampled, [SOURCE_CHAIN] * 2) == [5]
+    assert cut(greedy, [SOURCE_CHAIN] * 2) == []
+    assert cut(sampled, [SOURCE_NGRAM] * 2, kind=NGRAM) == []
+    # the prior is the request's own estimate of the option: after the chain option was
+    # verified and rejected at position 0 many times, the same chain is cut away
+    for _ in range(40):
+        sampled.last = Proposal(CHAIN, (SOURCE_CHAIN,), (0.9,), span=1)
+        _book(policy, sampled, 1, 0)
+    assert policy.acceptance.probs(policy.estimates_of(sampled), CHAIN)[0] < 0.2
+    assert cut(sampled, [SOURCE_CHAIN] * 2) == []
+    # and the calibration still learns the bin: chains verified at confidence 0.15 and
+    # accepted lift position 0 above the threshold again (position 1, never verified,
+    # is at its prior 0.6: both kept)
+    for _ in range(60):
+        sampled.last = Proposal(CHAIN, (SOURCE_CHAIN,), (0.15,), span=1)
+        _book(policy, sampled, 1, 1)
+    assert cut(sampled, [SOURCE_CHAIN] * 2) == [5, 6]
+
+
 def test_the_hand_over_records_the_token_past_the_cut_or_the_ngram_chains_first():
     """A row whose chain was cut records the token past the cut; a row that drafted nothing
     records its n-gram chain's first token (the next step's output tells whether it would

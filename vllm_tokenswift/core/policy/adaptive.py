@@ -225,14 +225,28 @@ class AdaptivePolicy(DraftingPolicy):
         keep = min(len(chain.tokens), r.room)
         if plan.threshold >= 0 and chain.tokens:
             if cum is None:
-                cum = self.calibrated_cum(chain, r.state.sampled)
+                cum = self.calibrated_cum(chain, r.state.sampled, plan.kinds[j], r.state)
             keep = min(keep, max(dec.cut_length(cum, plan.threshold), 1 if plan.forced[j] else 0))
         past = past_cut_of(chain, keep)      # before the cut: truncate works in place
         return CutChain(chain.truncate(keep), past)
 
-    def calibrated_cum(self, ch: Chain, sampled: bool) -> np.ndarray:
-        """The calibrated cumulative acceptance ``[len(ch)]`` of chain ``ch``'s tokens."""
-        return self.calibration.chain_cum(calibration_keys(ch.sources, sampled), ch.confs)
+    def calibrated_cum(self, ch: Chain, sampled: bool, kind: str | None = None, st=None) -> np.ndarray:
+        """The calibrated cumulative acceptance ``[len(ch)]`` of chain ``ch``'s tokens.
+
+        For a sampled request's tokens drawn from q (every source but the n-gram table's
+        point masses) the calibration's prior is option ``kind``'s measured conditional
+        acceptance at the token's position (:meth:`AcceptanceModel.probs`, the figure the
+        decision chose the option by) instead of the confidence bin's centre
+        (:meth:`Calibration.chain_cum` says why); ``st``: the request's state (its own
+        acceptance estimates), else the engine-wide figure of the sampled group."""
+        keys = calibration_keys(ch.sources, sampled)
+        priors = None
+        if sampled and kind in (FORWARD, CHAIN, FUSED) and any(s != SOURCE_NGRAM for s in ch.sources):
+            p = (self.acceptance.probs(self.estimates_of(st), kind) if st is not None
+                 else self.acceptance.engine_probs(kind, "sampled"))
+            last = len(p) - 1
+            priors = [None if s == SOURCE_NGRAM else float(p[min(i, last)]) for i, s in enumerate(ch.sources)]
+        return self.calibration.chain_cum(keys, ch.confs, priors)
 
 
 class CyclePolicy(AdaptivePolicy):
