@@ -22,7 +22,9 @@
 # Knobs (for smoke runs; the defaults are the documented blocks): MODEL (smollm2 / tiny / a folder;
 # tiny = the bundled demo model and heads), HEADS, METHODS, SAMPLINGS, CONCURRENCY, OUTPUT_LEN,
 # PROMPT_TOKENS, PROMPTS_PER_CONC (prompts per run = this x concurrency, at least MIN_PROMPTS),
-# MIN_PROMPTS, POISSON_PROMPTS, KV_GB, PORT, FAULTS_SIZE (full / ci).
+# MIN_PROMPTS, POISSON_PROMPTS, KV_GB, PORT, FAULTS_SIZE (full / ci), ROUNDS (paired rounds of the
+# closed-loop blocks, default 2; the report gives medians and the rounds' spread), RESUME=1 (keep
+# the runs whose JSON is already there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -95,7 +97,7 @@ bench_run() {   # bench_run DIR DATASET METHOD SAMPLING NAME NUM_PROMPTS EXTRA_F
   "$VT" bench-serve --base-url "$URL" --model "$MODEL_DIR" --served-model-name "$MODEL_NAME" \
     --dataset-name custom --dataset-path "$ds" --skip-chat-template --num-prompts "$num" \
     --custom-output-len "$OUTPUT_LEN" --ignore-eos --num-warmups 1 --disable-tqdm \
-    --label "$method" --metadata "method=$method" "sampling=$sampling" "block=$BLOCK" "model=$MODEL_NAME" \
+    --label "$method" --metadata "method=$method" "sampling=$sampling" "block=$BLOCK" "model=$MODEL_NAME" "round=$ROUND" \
     --save-result --result-dir "$dir" --result-filename "$name.json" "$@" >"$dir/$name.log" 2>&1 \
     || { echo "bench-serve failed; end of $dir/$name.log:" >&2; tail -20 "$dir/$name.log" >&2; return 1; }
   "$PY" - "$dir/$name.json" <<'EOF'
@@ -112,24 +114,37 @@ num_prompts() {   # prompts per closed-loop run at concurrency $1
   echo "$n"
 }
 
-# one server per method; every sampling and concurrency against it
+# ROUNDS paired rounds (each round every method in turn, so a drift of the machine's speed
+# falls on all methods alike); per round one server per method, every sampling and
+# concurrency against it. Runs are named METHOD-SAMPLING-cC-rR; with RESUME=1 a run whose
+# JSON is already there is kept and not rerun (a block can then be finished in pieces).
+ROUND=1
 closed_loop() {   # closed_loop DATASET SERVER_FLAGS...
   local ds=$1; shift
-  local dir="$OUT/$BLOCK" method sflags c sampling
-  for method in $METHODS; do
-    if ! sflags=$("$PY" -m vllm_tokenswift.bench.serving server-args "$method" --heads "$HEADS_DIR" 2>&1); then
-      log "skip $method: $sflags"; continue
-    fi
-    log "$method: starting the server"
-    eval "start_server \"$dir/server-$method.log\" \"\${SERVE[@]}\" \"\$@\" $sflags"
-    for sampling in $SAMPLINGS; do
-      for c in $CONCURRENCY; do
-        log "  $method $sampling concurrency $c"
-        bench_run "$dir" "$ds" "$method" "$sampling" "$method-$sampling-c$c" "$(num_prompts "$c")" \
+  local dir="$OUT/$BLOCK" method sflags c sampling todo run
+  for ROUND in $(seq 1 "${ROUNDS:-2}"); do
+    for method in $METHODS; do
+      todo=()
+      for sampling in $SAMPLINGS; do
+        for c in $CONCURRENCY; do
+          if [ "${RESUME:-0}" = 1 ] && [ -s "$dir/$method-$sampling-c$c-r$ROUND.json" ]; then continue; fi
+          todo+=("$sampling:$c")
+        done
+      done
+      if [ "${#todo[@]}" -eq 0 ]; then log "round $ROUND, $method: every run already there (RESUME=1)"; continue; fi
+      if ! sflags=$("$PY" -m vllm_tokenswift.bench.serving server-args "$method" --heads "$HEADS_DIR" 2>&1); then
+        log "skip $method: $sflags"; continue
+      fi
+      log "round $ROUND, $method: starting the server"
+      eval "start_server \"$dir/server-$method-r$ROUND.log\" \"\${SERVE[@]}\" \"\$@\" $sflags"
+      for run in "${todo[@]}"; do
+        sampling=${run%%:*}; c=${run##*:}
+        log "  $method $sampling concurrency $c (round $ROUND)"
+        bench_run "$dir" "$ds" "$method" "$sampling" "$method-$sampling-c$c-r$ROUND" "$(num_prompts "$c")" \
           --max-concurrency "$c"
       done
+      stop_server
     done
-    stop_server
   done
 }
 

@@ -79,6 +79,35 @@ def test_report_of_an_empty_folder_is_an_error(tmp_path):
     assert serving_report.main([str(tmp_path)]) == 2
 
 
+def test_paired_rounds_are_merged_into_medians_with_the_rounds_ratio(tmp_path):
+    # round 1: plain 30, TokenSwift 60 (2.0x); round 2: plain 40, TokenSwift 100 (2.5x).
+    # Paired: the median of the rounds' ratios is 2.25x, not the ratio of the medians (80/35).
+    runs = []
+    for rnd, (p, t) in enumerate(((30.0, 60.0), (40.0, 100.0)), start=1):
+        for method, tps, tpot in (("plain", p, 30.0 + rnd), ("tokenswift", t, 10.0 * rnd)):
+            r = _result(method, "paper", 2, tps, tpot, spec=method == "tokenswift")
+            r["round"] = str(rnd)      # --metadata values are strings
+            runs.append(r)
+    for r in runs:
+        (tmp_path / f"{r['method']}-paper-c2-r{r['round']}.json").write_text(json.dumps(r))
+    per_run = serving_report.rows(serving.load_results(str(tmp_path)))
+    assert sorted((x["method"], x["round"], x["speedup"]) for x in per_run) == [
+        ("plain", 1, 1.0), ("plain", 2, 1.0), ("tokenswift", 1, 2.0), ("tokenswift", 2, 2.5)]
+    merged = serving_report.merge_rounds(per_run)
+    assert len(merged) == 2
+    ts = next(x for x in merged if x["method"] == "tokenswift")
+    assert ts["rounds"] == 2 and ts["speedup"] == pytest.approx(2.25)
+    assert ts["speedup_range"] == (2.0, 2.5)
+    assert ts["output_tps"] == 80.0 and ts["tpot_p50"] == 15.0 and ts["completed"] == 16
+    md, _ = serving_report.report(str(tmp_path), draw=False)
+    assert "| method | concurrency | rounds | completed | failed | output tok/s | × plain (rounds) |" in md
+    assert "| tokenswift | 2 | 2 | 16 | 0 | 80.0 | 2.25x (2.00-2.50) |" in md
+    assert "| plain | 2 | 2 | 16 | 0 | 35.0 | 1.00x (1.00-1.00) |" in md
+    # a run without round metadata is round 1; a lone round merges to itself
+    single = serving_report.merge_rounds(serving_report.rows([_result("plain", "greedy", 1, 30.0, 33.0)]))
+    assert single[0]["rounds"] == 1 and single[0]["speedup_range"] is None and single[0]["output_tps"] == 30.0
+
+
 def test_rate_and_tpot_target_from_the_smollm2_block(block):
     results = serving.load_results(str(block))
     assert serving.capacity(results, "plain", "greedy") == pytest.approx(80.0 / 512)

@@ -12,9 +12,12 @@ p99 in ms (p90 too where the run asked for it: ``--metric-percentiles 50,90,99``
 (requests/s within ``--goodput``), and vLLM's speculative-decoding counters of the run
 (acceptance rate, mean acceptance length, drafts) where the server speculated.
 
-The method, sampling and block of a run come from its ``--metadata method=...
-sampling=... block=...`` (the script sets them); the concurrency from vLLM's
-``max_concurrency``. Engine-free: neither vLLM nor torch is imported; matplotlib only
+The method, sampling, block and round of a run come from its ``--metadata method=...
+sampling=... block=... round=...`` (the script sets them); the concurrency from vLLM's
+``max_concurrency``. Paired rounds (``ROUNDS`` in the script: in each round every method
+runs once) are merged into one row per method, sampling, concurrency and rate: every
+figure is the median over the rounds, × plain the median of each round's ratio to the
+plain run of the same round, with the rounds' lowest and highest ratio beside it. Engine-free: neither vLLM nor torch is imported; matplotlib only
 to draw. ``python -m vllm_tokenswift.bench.serving_report FOLDER [--no-plots]``.
 """
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import sys
 from typing import Sequence
 
@@ -50,10 +54,11 @@ def _pct(r: dict, metric: str, p: str) -> float | None:
 
 def rows(results: Sequence[dict]) -> list[dict]:
     """One row per run: ``method``, ``sampling``, ``concurrency`` (None: no cap),
-    ``rate`` (requests/s; None: all at once), the counts, throughputs, latency
-    percentiles (``ttft_p50`` ... in ms, None where the run did not report them),
-    ``goodput``, ``speedup`` (output tokens/s over ``plain``'s at the same sampling,
-    concurrency and rate; None without such a run) and the spec-decode counters."""
+    ``rate`` (requests/s; None: all at once), ``round`` (int, 1 when the run has no
+    ``round`` metadata), the counts, throughputs, latency percentiles (``ttft_p50`` ... in
+    ms, None where the run did not report them), ``goodput``, ``speedup`` (output tokens/s
+    over ``plain``'s at the same sampling, concurrency, rate and round; None without such a
+    run) and the spec-decode counters."""
     out = []
     for r in results:
         rate = r.get("request_rate")
@@ -64,15 +69,60 @@ def rows(results: Sequence[dict]) -> list[dict]:
                "goodput": _num(r.get("request_goodput")),
                "acceptance_rate": _num(r.get("spec_decode_acceptance_rate")),
                "acceptance_length": _num(r.get("spec_decode_acceptance_length")),
-               "drafts": r.get("spec_decode_num_drafts")}
+               "drafts": r.get("spec_decode_num_drafts"), "round": _round(r.get("round"))}
         for m in ("ttft", "tpot", "itl", "e2el"):
             for p in ("50", "90", "99"):
                 row[f"{m}_p{p}"] = _pct(r, m, p)
         out.append(row)
-    base = {(x["sampling"], x["concurrency"], x["rate"]): x["output_tps"] for x in out if x["method"] == "plain"}
+    base = {(x["sampling"], x["concurrency"], x["rate"], x["round"]): x["output_tps"]
+            for x in out if x["method"] == "plain"}
     for x in out:
-        b = base.get((x["sampling"], x["concurrency"], x["rate"]))
+        b = base.get((x["sampling"], x["concurrency"], x["rate"], x["round"]))
         x["speedup"] = x["output_tps"] / b if b and x["output_tps"] is not None else None
+    return sorted(out, key=_order)
+
+
+def _round(v) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return 1
+
+
+#: summed over the rounds when they are merged (the others are medians)
+_SUMMED = ("completed", "failed")
+_KEYS = ("method", "sampling", "concurrency", "rate")
+
+
+def merge_rounds(rs: Sequence[dict]) -> list[dict]:
+    """One row per method, sampling, concurrency and rate from :func:`rows`' per-run rows:
+    ``rounds`` (how many), ``completed`` and ``failed`` summed over them, every other
+    figure the median over the rounds that have it (None where none has), ``speedup``
+    the median of the rounds' own ``speedup`` and ``speedup_range`` their ``(lowest,
+    highest)`` (None with fewer than two). A single round gives its row unchanged (plus
+    ``rounds`` 1 and ``speedup_range`` None)."""
+    groups: dict[tuple, list[dict]] = {}
+    for x in rs:
+        groups.setdefault(tuple(x[k] for k in _KEYS), []).append(x)
+    out = []
+    for key, xs in groups.items():
+        m = dict(zip(_KEYS, key))
+        for field in xs[0]:
+            if field in _KEYS or field == "round":
+                continue
+            vals = [x[field] for x in xs if x.get(field) is not None]
+            if field in _SUMMED:
+                m[field] = sum(vals) if vals else None
+            elif not vals:
+                m[field] = None
+            elif len(vals) == 1:
+                m[field] = vals[0]
+            else:
+                m[field] = statistics.median(vals)
+        sp = [x["speedup"] for x in xs if x.get("speedup") is not None]
+        m["rounds"] = len(xs)
+        m["speedup_range"] = (min(sp), max(sp)) if len(sp) > 1 else None
+        out.append(m)
     return sorted(out, key=_order)
 
 
@@ -88,7 +138,9 @@ def _f(v, digits: int = 1) -> str:
 
 def tables(rs: Sequence[dict]) -> str:
     """Markdown: one table per sampling and load kind (closed loop by concurrency, or
-    open loop by request rate), rows in method then concurrency order."""
+    open loop by request rate), rows in method then concurrency order; with rows merged
+    over several rounds (:func:`merge_rounds`) a ``rounds`` column, and × plain as the
+    median with the rounds' range."""
     groups: dict[tuple, list[dict]] = {}
     for x in rs:
         groups.setdefault((x["sampling"], x["rate"] is not None), []).append(x)
@@ -97,8 +149,9 @@ def tables(rs: Sequence[dict]) -> str:
         p90 = any(x["tpot_p90"] is not None or x["ttft_p90"] is not None for x in xs)
         pcts = ("50", "90", "99") if p90 else ("50", "99")
         spec = any(x["acceptance_rate"] is not None for x in xs)
-        head = ["method", "rate (req/s)" if open_loop else "concurrency", "completed", "failed",
-                "output tok/s", "× plain", "req/s"]
+        multi = any((x.get("rounds") or 1) > 1 for x in xs)
+        head = ["method", "rate (req/s)" if open_loop else "concurrency"] + (["rounds"] if multi else [])
+        head += ["completed", "failed", "output tok/s", "× plain" + (" (rounds)" if multi else ""), "req/s"]
         head += [f"{m.upper()} p{p} (ms)" for m in ("ttft", "tpot", "itl") for p in pcts]
         if any(x["goodput"] is not None for x in xs):
             head.append("goodput (req/s)")
@@ -107,9 +160,9 @@ def tables(rs: Sequence[dict]) -> str:
         lines = [f"**{sampling}**, " + ("open loop (Poisson arrivals)" if open_loop else "closed loop"), "",
                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for x in xs:
-            cells = [x["method"], _f(x["rate"], 3) if open_loop else str(x["concurrency"]),
-                     str(x["completed"]), str(x["failed"]), _f(x["output_tps"]),
-                     "" if x["speedup"] is None else f"{x['speedup']:.2f}x", _f(x["req_s"], 3)]
+            cells = [x["method"], _f(x["rate"], 3) if open_loop else str(x["concurrency"])]
+            cells += [str(x.get("rounds") or 1)] if multi else []
+            cells += [str(x["completed"]), str(x["failed"]), _f(x["output_tps"]), _speedup(x), _f(x["req_s"], 3)]
             cells += [_f(x[f"{m}_p{p}"]) for m in ("ttft", "tpot", "itl") for p in pcts]
             if "goodput (req/s)" in head:
                 cells.append(_f(x["goodput"], 3))
@@ -119,6 +172,13 @@ def tables(rs: Sequence[dict]) -> str:
             lines.append("| " + " | ".join(cells) + " |")
         parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"
+
+
+def _speedup(x: dict) -> str:
+    if x["speedup"] is None:
+        return ""
+    rng = x.get("speedup_range")
+    return f"{x['speedup']:.2f}x" + (f" ({rng[0]:.2f}-{rng[1]:.2f})" if rng else "")
 
 
 def plots(rs: Sequence[dict], out_dir: str) -> list[str]:
@@ -168,7 +228,7 @@ def report(folder: str, draw: bool = True) -> tuple[str, list[str]]:
     results = load_results(folder)
     if not results:
         raise ValueError(f"no vllm bench serve result (--save-result JSON) in {folder}")
-    rs = rows(results)
+    rs = merge_rounds(rows(results))
     md = tables(rs)
     with open(os.path.join(folder, "report.md"), "w", encoding="utf-8") as f:
         f.write(f"# Serving benchmark: {os.path.basename(os.path.abspath(folder))}\n\n"
