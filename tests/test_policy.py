@@ -344,8 +344,64 @@ def test_cost_state_round_trip_and_length_check():
     other = pol.CostModel()
     other.load_state(vec)
     assert other.costs() == pytest.approx(cm.costs())
-    with pytest.raises(ValueError, match="expected 7"):
-        other.load_state(vec[:6])
+    with pytest.raises(ValueError, match="expected 9"):
+        other.load_state(vec[:8])
+
+
+def test_chain_forwards_are_fitted_apart_from_the_draft_forward():
+    """A chain forward (no heads, one logits row) is fitted on its own (``c0``, ``c1``); before
+    any is observed it is priced as a draft forward."""
+    cm = pol.CostModel()
+    for _ in range(20):
+        cm.observe_step(0.020, rows=1, draft_tokens=0)
+    for _ in range(10):
+        cm.observe_forward(0.0075, rows=1)
+    c = cm.costs()
+    assert c["c0"] + c["c1"] == pytest.approx(c["f0"] + c["f1"], rel=1e-6)
+    assert c["f0"] + c["f1"] == pytest.approx(0.0075, rel=0.1)
+    for _ in range(10):
+        cm.observe_chain(0.004, rows=1)
+    c = cm.costs()
+    assert c["c0"] + c["c1"] == pytest.approx(0.004, rel=0.1)
+    assert c["f0"] + c["f1"] == pytest.approx(0.0075, rel=0.1)      # the draft forward's fit is unchanged
+
+
+def test_a_one_token_chain_is_chosen_when_its_own_forward_is_cheap():
+    """Demo model at 32K under the paper's sampling (rounded from a run's cost model): a plain
+    step 20 ms, a draft forward with heads 7.3 ms, a chain forward 4 ms, the first token
+    accepted 60% (chain) / 64% (forward, its second position 2%). The one-token chain gives
+    1.6 / 28.7 ms = 1.11x plain decoding; priced at the draft forward's 7.3 ms it would give
+    1.6 / 32 ms = 1.0x, under the 5% margin, and plain decoding would win."""
+    c = {"a": 0.020, "g": 0.0022, "b": 0.0025, "f0": 0.0073, "f1": 0.0, "h0": 0.0019, "h1": 0.0}
+    r = row(none=[], forward=[0.64, 0.0128], chain=[0.6, 0.36, 0.216])
+    d = pol.decide([r], dict(c, c0=0.004, c1=0.0))
+    assert d.kinds == ["chain"] and d.lengths == [1]
+    assert d.step_seconds == pytest.approx(0.020 + 0.0022 + 0.0025 + 0.004)
+    assert d.throughput == pytest.approx(1.6 / 0.0287)
+    assert pol.decide([r], c).kinds == ["none"]                        # chains priced as draft forwards
+
+
+def test_sampled_forward_and_chain_share_their_first_token():
+    """Under sampling the draft forward's first token and a chain's are the same draw from
+    l_0: each verified first token is booked for both (position 0 only); greedy requests
+    keep the two apart."""
+    am = estimates.AcceptanceModel(depth=4)
+    s, g = am.new_request("sampled"), am.new_request("greedy")
+    am.record(s, "forward", 2, 1)          # first accepted, second rejected
+    am.record(s, "chain", 1, 0)            # first rejected
+    for kind in ("forward", "chain"):     # per request decay 0.98: 1·0.98 + 1 reached, 1·0.98 + 0 accepted
+        assert s[kind].reached[0] == pytest.approx(1.98) and s[kind].accepted[0] == pytest.approx(0.98)
+    # the forward's second position is its own: the chain's stays unobserved
+    assert s["forward"].reached[1] == pytest.approx(1.0) and s["chain"].reached[1] == 0.0
+    eng = am._group("sampled")
+    assert eng["chain"].reached[0] == pytest.approx(eng["forward"].reached[0])
+    assert am.probs(s, "chain")[0] == pytest.approx(am.probs(s, "forward")[0])
+    am.record(g, "forward", 2, 1)
+    assert g["chain"].reached[0] == 0.0 and am._group("greedy")["chain"].reached[0] == 0.0
+    # nothing verified: nothing shared
+    before = s["chain"].version
+    am.record(s, "forward", 0, 0, span=3)
+    assert s["chain"].version == before
 
 
 def test_rank0_keeps_broadcasting_fresh_costs_after_loading_its_own_state():

@@ -96,8 +96,8 @@ class AdaptivePolicy(DraftingPolicy):
                 self.costs.observe_fused(*costs.fused)
             if costs.forward is not None:
                 self.costs.observe_forward(*costs.forward)
-            for fwd in costs.chain:       # each chain forward is a draft forward over budgeted views
-                self.costs.observe_forward(*fwd)
+            for fwd in costs.chain:       # each forward of the step's self-speculative chains
+                self.costs.observe_chain(*fwd)
             if costs.step is not None:
                 self.costs.observe_step(*costs.step)
 

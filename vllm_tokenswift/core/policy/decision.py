@@ -16,7 +16,7 @@ engine runs (an extension beyond the paper, which always drafts):
   so head 1 drafts the token after the newest one), plus n-grams;
 * ``chain``: a self-speculative chain: the draft forward run ``m`` times, token by token,
   each over the budgeted view plus the chain so far (the paper's TriForce* baseline);
-  ``m`` forwards cost ``m·(f0 + f1·n)`` and draft ``m`` tokens;
+  ``m`` forwards cost ``m·(c0 + c1·n)`` and draft ``m`` tokens;
 * ``ngram``: the request's n-gram chain alone (no forward, no heads);
 * ``none``: no draft (a plain step for that request).
 
@@ -25,15 +25,16 @@ and how long each chain is.
 **Cost model** (:class:`CostModel`). One engine step costs::
 
     T = a + g·[D>0] + b·D + [any forward]·(f0 + f1·n_fwd) + [any fused]·(h0 + h1·n_fused)
-          + L·(f0 + f1·n_chain)
+          + L·(c0 + c1·n_chain)
 
 ``a``: a step that verifies no draft tokens (the plain decode step of this batch,
 plus the proposer's own fixed work); ``g``: the fixed extra cost of a step that
 verifies any draft (vLLM's rejection sampler and spec-decode metadata instead of
 the plain sampler); ``b``: each verified draft token; ``D``: draft tokens in the
 batch; ``f0 + f1·n`` and ``h0 + h1·n``: the draft forward and the fused heads for
-``n`` rows; ``L``: the forwards of the step's self-speculative chains (each
-a draft forward over ``n_chain`` rows' views). Each is a non-negative ridge least-squares fit over the last
+``n`` rows; ``L``: the forwards of the step's self-speculative chains, each over
+``n_chain`` rows' views and fitted apart (``c0 + c1·n``: no heads, one logits row per
+request; a cost dict without ``c0``/``c1`` prices them as draft forwards). Each is a non-negative ridge least-squares fit over the last
 :attr:`CostModel.window` observations (wall-clock, from the proposer's timers),
 pulled towards priors expressed as fractions of ``a`` so that a fresh engine starts
 with sensible numbers. ``a`` and ``b`` follow context growth and batch-size changes
@@ -140,7 +141,7 @@ def _step_seconds(costs: dict, draft_tokens: int, n_fwd: int, n_fus: int, n_chai
     ``n_chain`` rows that take a self-speculative chain)."""
     t = costs["a"] + costs["b"] * draft_tokens
     if n_chain and chain_len:
-        t += chain_len * (costs["f0"] + costs["f1"] * n_chain)
+        t += chain_len * (_c0(costs) + _c1(costs) * n_chain)
     if draft_tokens > 0:
         t += costs.get("g", 0.0)
     if n_fwd:
@@ -148,6 +149,16 @@ def _step_seconds(costs: dict, draft_tokens: int, n_fwd: int, n_fus: int, n_chai
     if n_fus:
         t += costs["h0"] + costs["h1"] * n_fus
     return t
+
+
+def _c0(costs: dict) -> float:
+    """A chain forward's fixed cost (``c0``; the draft forward's ``f0`` when not given)."""
+    return costs.get("c0", costs["f0"])
+
+
+def _c1(costs: dict) -> float:
+    """A chain forward's cost per row (``c1``; the draft forward's ``f1`` when not given)."""
+    return costs.get("c1", costs["f1"])
 
 
 def _candidates(rows: Sequence[RowOptions]) -> list:
@@ -201,7 +212,7 @@ def _no_plan_beats(cands: list, costs: dict, theta0: float) -> bool:
                 for L in range(1, lmax + 1):
                     if L <= len(vals) and vals[L - 1] > cut:
                         run += vals[L - 1] - cut
-                    s_ch[L] = run - theta0 * L * costs["f1"]
+                    s_ch[L] = run - theta0 * L * _c1(costs)
                 continue
             if kind == NGRAM:
                 s_ng = sur
@@ -227,7 +238,7 @@ def _no_plan_beats(cands: list, costs: dict, theta0: float) -> bool:
     if has_fwd and has_fus:
         values.append(R - theta0 * (base + costs["f0"] + costs["h0"]) + tot[3])
     for L in range(1, lmax + 1):
-        values.append(R - theta0 * (base + L * costs["f0"]) + tot_ch[L])
+        values.append(R - theta0 * (base + L * _c0(costs)) + tot_ch[L])
     return max(values) < -1e-9 * R
 
 

@@ -187,10 +187,11 @@ class CostModel:
     prior_fused_row: float = 0.05
     refresh_every: int = 1
     #: order of :meth:`state`
-    KEYS = ("a", "g", "b", "f0", "f1", "h0", "h1")
+    KEYS = ("a", "g", "b", "f0", "f1", "h0", "h1", "c0", "c1")
     _step: _RidgeFit = field(init=False)
     _fwd: _RidgeFit = field(init=False)
     _fus: _RidgeFit = field(init=False)
+    _chn: _RidgeFit = field(init=False)
     _rows: deque = field(default_factory=deque, init=False)
     _plain: int = field(default=0, init=False)
     _frozen: dict | None = field(default=None, init=False)
@@ -204,6 +205,7 @@ class CostModel:
         self._step = _RidgeFit(3, self.window, self.step_strength)
         self._fwd = _RidgeFit(2, self.window, self.strength)
         self._fus = _RidgeFit(2, self.window, self.strength)
+        self._chn = _RidgeFit(2, self.window, self.strength)
 
     # ---------------------------------------------------------------- observations
     def observe_step(self, seconds: float, rows: int, draft_tokens: int) -> None:
@@ -229,6 +231,19 @@ class CostModel:
             self._fwd.add((1.0, rows), seconds)
             self._cached = None
 
+    def observe_chain(self, seconds: float, rows: int) -> None:
+        """One forward of self-speculative chains over ``rows`` requests (view planning
+        included for the first). Fitted apart from :meth:`observe_forward`: a chain forward
+        computes one logits row per request and no heads, where the draft forward runs
+        the heads and the LM head over ``1 + num_heads`` rows per request. One fit for
+        both priced chains at the draft forward's cost (demo model, 32K context, the
+        paper's sampling: 7.3 ms per forward against the 20 ms plain step, so a one-token
+        chain, 1.6 tokens per step, looked break-even and was rarely taken, while the
+        ``triforce-1`` baseline, a one-token chain every step, ran 1.23x the kernel alone)."""
+        if seconds > 0 and rows > 0:
+            self._chn.add((1.0, rows), seconds)
+            self._cached = None
+
     def observe_fused(self, seconds: float, rows: int) -> None:
         """Fused heads (+ LM head) for ``rows`` requests."""
         if seconds > 0 and rows > 0:
@@ -247,8 +262,8 @@ class CostModel:
         return self._frozen is not None or len(self._step) > 0
 
     def costs(self) -> dict:
-        """``{"a", "g", "b", "f0", "f1", "h0", "h1"}`` in seconds (rank 0's numbers once
-        :meth:`load_state` was called)."""
+        """``{"a", "g", "b", "f0", "f1", "h0", "h1", "c0", "c1"}`` in seconds (rank 0's
+        numbers once :meth:`load_state` was called)."""
         if self._frozen is not None:
             return dict(self._frozen)
         return self._estimate()
@@ -284,7 +299,10 @@ class CostModel:
         per_row = a / rows
         f0, f1 = self._fwd.solve((self.prior_forward * a, self.prior_forward_row * per_row), (1.0, rows))
         h0, h1 = self._fus.solve((self.prior_fused * a, self.prior_fused_row * per_row), (1.0, rows))
-        return {"a": a, "g": g, "b": b, "f0": f0, "f1": f1, "h0": h0, "h1": h1}
+        # a chain forward's prior is the draft forward's estimate (at most its cost: the same
+        # forward without the heads), replaced by the chains' own measurements
+        c0, c1 = self._chn.solve((f0, f1), (1.0, rows))
+        return {"a": a, "g": g, "b": b, "f0": f0, "f1": f1, "h0": h0, "h1": h1, "c0": c0, "c1": c1}
 
     # ---------------------------------------------------------------- TP sync
     def state(self) -> np.ndarray:
@@ -345,6 +363,21 @@ class DepthCounts:
         self.reached[:reach] += 1.0
         self.accepted[: min(a, n)] += 1.0
 
+    def update_first(self, accepted: bool) -> None:
+        """Position 0 alone was observed (``accepted`` or not): it is decayed and counted;
+        the later positions, which this observation says nothing about, are left as they are."""
+        self.version += 1
+        self.reached[0] = self.reached[0] * self.decay + 1.0
+        self.accepted[0] = self.accepted[0] * self.decay + (1.0 if accepted else 0.0)
+
+
+#: options whose first draft token is the same draw: under sampling, the draft forward's
+#: position 0 and a self-speculative chain's first token are both drawn from l_0 of one
+#: forward over the request's budgeted view, with the same processors, so each one's
+#: verified first token is an observation of the other's (greedy chains of the draft
+#: forward may start with an n-gram token instead, so greedy requests keep them apart)
+SHARED_FIRST = {FORWARD: CHAIN, CHAIN: FORWARD}
+
 
 def shrunk(acc: np.ndarray, reach: np.ndarray, prior: np.ndarray, weight: float) -> np.ndarray:
     """``(accepted + w·prior) / (reached + w)`` elementwise (Beta-style shrinkage)."""
@@ -361,17 +394,26 @@ class AcceptanceModel:
     would tell a sampled request that drafting pays (seen in the demo: one engine,
     a greedy run then a sampled one, draft forward on half the sampled steps).
 
+    In the groups of ``shared_first_groups`` (the proposer's ``"sampled"``) a verified
+    first token of the draft forward or of a self-speculative chain is booked for both
+    (:data:`SHARED_FIRST`): estimated apart, the same probability drifted apart by noise
+    and the policy took the draft forward for a one-token draft (its heads cut) where
+    the chain draws the same token for less (demo model, 32K context, the paper's
+    sampling: 32 such steps against 213 one-token chains in 600 tokens).
+
     Args:
         depth: positions tracked (``num_speculative_tokens``).
         prior_weight: pseudo-observations of the engine-wide figure in a request's
             estimate (and of the initial prior in the engine-wide one).
         initial: option -> prior conditional acceptance per position before anything
             was measured (optimistic enough that every option gets tried).
+        shared_first_groups: the groups whose first tokens are shared as above.
     """
 
     depth: int
     prior_weight: float = 8.0
     initial: dict = field(default_factory=lambda: {FORWARD: 0.6, CHAIN: 0.6, FUSED: 0.4, NGRAM: 0.5})
+    shared_first_groups: tuple = ("sampled",)
     engine: dict = field(init=False)      # group -> option -> DepthCounts
 
     def __post_init__(self) -> None:
@@ -402,6 +444,10 @@ class AcceptanceModel:
             return
         eng[kind].update(num_verified, num_accepted, span)
         req[kind].update(num_verified, num_accepted, span)
+        other = SHARED_FIRST.get(kind)
+        if other is not None and num_verified > 0 and req["group"] in self.shared_first_groups:
+            eng[other].update_first(num_accepted > 0)
+            req[other].update_first(num_accepted > 0)
 
     def engine_probs(self, kind: str, group: str = "all") -> np.ndarray:
         """Engine-wide conditional acceptance per position of ``kind`` in ``group``."""
