@@ -125,6 +125,8 @@ def test_method_flags_follow_the_bench_methods():
         "tokenswift": {"kv_budget": 1024}}
     ng = serving.server_args("ngram-vk")
     assert json.loads(ng[1])["method"] == "ngram" and ng[2:] == serving.server_args("ar-vk")
+    # the kernel alone without asynchronous scheduling, as vLLM runs speculative servers
+    assert serving.server_args("ar-vk-sync") == serving.server_args("ar-vk") + ["--no-async-scheduling"]
     with pytest.raises(ValueError, match="heads folder not found"):
         serving.server_args("tokenswift", "/no/such/heads")
     with pytest.raises(ValueError, match="unknown serving method"):

@@ -29,7 +29,11 @@ from vllm_tokenswift.bench.methods import (DEFAULT_K, DEFAULT_KV_BUDGET, BenchCo
 
 #: serving method -> method of :mod:`vllm_tokenswift.bench.methods`
 METHODS: dict[str, str] = {"plain": "ar", "ar-vk": "ar-vk", "tokenswift": "tokenswift",
-                           "ngram-vk": "ngram-vk", "suffix-vk": "suffix-vk"}
+                           "ngram-vk": "ngram-vk", "suffix-vk": "suffix-vk", "ar-vk-sync": "ar-vk"}
+#: serving method -> extra ``vllm serve`` flags: ``ar-vk-sync`` is ``ar-vk`` without
+#: asynchronous scheduling, which vLLM 0.32 turns off for every speculative server but
+#: EAGLE-like ones (it tells how much of a speculative server's draft-free step is that)
+SERVE_FLAGS: dict[str, list[str]] = {"ar-vk-sync": ["--no-async-scheduling"]}
 #: Project Gutenberg books of the pg-books corpus that no bundled model or heads saw in
 #: training: the last two of the file (assets/demo-model/PROVENANCE.md, demo-heads and
 #: smollm2-heads PROVENANCE.md: trained on the first 101 books)
@@ -68,7 +72,7 @@ def server_args(method: str, heads: str | None = None, k: int = DEFAULT_K,
     unknown = set(extra) - {"additional_config"}
     if unknown:
         raise ValueError(f"{method}: engine arguments {sorted(unknown)} have no serve flag here")
-    return args
+    return args + SERVE_FLAGS.get(method, [])
 
 
 def client_args(method: str, sampling: str) -> tuple[list[str], str | None]:
