@@ -46,6 +46,9 @@ _XDIST = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _XDIST.startswith("gw") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and hasattr(os, "sched_getaffinity"):
     _cpus = sorted(os.sched_getaffinity(0))
     _core = _cpus[int(_XDIST[2:]) % len(_cpus)]
+    # the CPUs the worker had before its pinning (tests/test_tensor_parallel.py spreads its
+    # two TP ranks over two of them)
+    os.environ["TOKENSWIFT_TEST_CPUS"] = ",".join(map(str, _cpus))
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(_core)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     for _tid in os.listdir("/proc/self/task"):

@@ -25,12 +25,15 @@ the ones single-rank TokenSwift selects.
 
 CPU pinning: vLLM binds each TP rank's OpenMP threads with ``VLLM_CPU_OMP_THREADS_BIND``
 (one entry per rank, separated by ``|``); ``"1|1"`` puts both ranks on core 1. When the
-variable is unset or has a single entry, the engine test binds both ranks to the first CPU
-this process may use (vLLM's "auto" binding wants one NUMA node per rank).
+variable is unset or has a single entry, the engine test binds the ranks to two different
+CPUs of those the test worker had before conftest pinned it (one, twice, where there is
+only one; vLLM's "auto" binding wants one NUMA node per rank): vLLM's CPU all-reduce waits
+by spinning, so ranks sharing a core hand over only when the scheduler preempts the spinner.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -192,28 +195,11 @@ def _layout_consensus(kv, rank: int, fail_rank: int | None):
 @pytest.mark.engine  # two processes form a vLLM TP group
 def test_view_selection_is_rank_consistent(tmp_path):
     ctx = mp.get_context("spawn")
-    init_file = tmp_path / "dist_init"
-    ident = f"tstp-{uuid.uuid4().hex[:12]}"
-    procs = [ctx.Process(target=_rank_main, args=(r, str(init_file), ident, str(tmp_path)))
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-    hung = [p.pid for p in procs if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not hung, f"rank processes {hung} did not finish (collective deadlock?)"
-    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    for r in res:
-        assert "error" not in r, f"rank {r['rank']} failed:\n{r['error']}"
-
+    with _spread_over(_cpus()):   # the two ranks import torch and vLLM side by side
+        res = _run_ranks(ctx, tmp_path)
     bt, q, kv = _case()
     reference = _select(bt, q, kv, None, 1)              # one process, all heads
     ref_imp = _importances(bt, q, kv, None)
-
     # every rank selects exactly the all-heads view
     assert res[0]["selected"] == reference
     assert res[1]["selected"] == reference
@@ -231,6 +217,28 @@ def test_view_selection_is_rank_consistent(tmp_path):
     # key layout detection agrees across ranks
     assert res[0]["layout"] == res[1]["layout"] == "split_last"
     assert res[0]["layout_one_fails"] is None and res[1]["layout_one_fails"] is None
+
+
+def _run_ranks(ctx, tmp_path) -> list[dict]:
+    """Both ranks' results (``rank{r}.json``); fails if a rank hangs or raises."""
+    init_file = tmp_path / "dist_init"
+    ident = f"tstp-{uuid.uuid4().hex[:12]}"
+    procs = [ctx.Process(target=_rank_main, args=(r, str(init_file), ident, str(tmp_path)))
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    hung = [p.pid for p in procs if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not hung, f"rank processes {hung} did not finish (collective deadlock?)"
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for r in res:
+        assert "error" not in r, f"rank {r['rank']} failed:\n{r['error']}"
+    return res
 
 
 def test_sum_over_ranks_single_rank_is_identity():
@@ -256,8 +264,23 @@ GEN_TOKENS = 128
 SAMPLED_TOKENS = 32
 
 
-def _first_allowed_cpu() -> int:
-    return min(os.sched_getaffinity(0))
+def _cpus() -> list[int]:
+    """The CPUs this test may use: the ones the xdist worker had before conftest pinned it
+    to one core, else this process's own."""
+    env = os.environ.get("TOKENSWIFT_TEST_CPUS", "")
+    return [int(c) for c in env.split(",")] if env else sorted(os.sched_getaffinity(0))
+
+
+@contextlib.contextmanager
+def _spread_over(cpus: list[int]):
+    """Processes spawned from this thread (the TP ranks) may run on ``cpus`` while they
+    import vLLM and torch; this thread's own affinity is restored afterwards."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, set(cpus))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def _tp2_engine(spec: bool, policy: str = "cycle"):
@@ -286,16 +309,20 @@ def _stable(stats: dict) -> dict:
 
 @pytest.fixture
 def omp_bind(monkeypatch):
-    # the TP workers get 1 s to exit on shutdown before vLLM sends SIGTERM (default 5 s:
-    # with both ranks on one core they took 7 s per engine, a tenth of the test)
+    # the TP workers get 1 s to exit on shutdown before vLLM sends SIGTERM (default 5 s)
     monkeypatch.setenv("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "1")
-    # TP=2 needs one entry per rank; a single-entry binding (e.g. "1", used to pin other
-    # engine tests) is replaced too
+    # TP=2 needs one entry per rank; a single-entry binding (e.g. "1", which conftest uses
+    # to pin each test worker's engines) is replaced. The ranks get two different cores
+    # where there are two: vLLM's CPU all-reduce waits by spinning, so two ranks on one core
+    # hand over only when the scheduler preempts the spinner (on one core the test took
+    # 113 s alone, on two 60 s); the ranks also import vLLM side by side.
     bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    cpus = _cpus()
     if "|" not in bind:
-        # a test worker's own core (conftest pins each xdist worker to one), else the first
-        c = int(bind) if bind.isdigit() else _first_allowed_cpu()
-        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{c}|{c}")
+        ranks = cpus[:2] if len(cpus) >= 2 else cpus * 2
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, ranks)))
+    with _spread_over(cpus):
+        yield
 
 
 @pytest.mark.engine  # starts TP=2 engines
