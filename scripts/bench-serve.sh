@@ -24,7 +24,8 @@
 # PROMPT_TOKENS, PROMPTS_PER_CONC (prompts per run = this x concurrency, at least MIN_PROMPTS),
 # MIN_PROMPTS, POISSON_PROMPTS, KV_GB, PORT, FAULTS_SIZE (full / ci), ROUNDS (paired rounds of the
 # closed-loop blocks, default 2; the report gives medians and the rounds' spread), RESUME=1 (keep
-# the runs whose JSON is already there).
+# the runs whose JSON is already there), CLIENT_FLAGS (more flags for every client run, e.g.
+# --save-detailed for per-request TTFTs and ITLs in the JSONs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -98,7 +99,7 @@ bench_run() {   # bench_run DIR DATASET METHOD SAMPLING NAME NUM_PROMPTS EXTRA_F
     --dataset-name custom --dataset-path "$ds" --skip-chat-template --num-prompts "$num" \
     --custom-output-len "$OUTPUT_LEN" --ignore-eos --num-warmups 1 --disable-tqdm \
     --label "$method" --metadata "method=$method" "sampling=$sampling" "block=$BLOCK" "model=$MODEL_NAME" "round=$ROUND" \
-    --save-result --result-dir "$dir" --result-filename "$name.json" "$@" >"$dir/$name.log" 2>&1 \
+    --save-result --result-dir "$dir" --result-filename "$name.json" "$@" ${CLIENT_FLAGS:-} >"$dir/$name.log" 2>&1 \
     || { echo "bench-serve failed; end of $dir/$name.log:" >&2; tail -20 "$dir/$name.log" >&2; return 1; }
   "$PY" - "$dir/$name.json" <<'EOF'
 import json, sys
