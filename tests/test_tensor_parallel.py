@@ -312,10 +312,8 @@ def omp_bind(monkeypatch):
     # the TP workers get 1 s to exit on shutdown before vLLM sends SIGTERM (default 5 s)
     monkeypatch.setenv("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "1")
     # TP=2 needs one entry per rank; a single-entry binding (e.g. "1", which conftest uses
-    # to pin each test worker's engines) is replaced. The ranks get two different cores
-    # where there are two: vLLM's CPU all-reduce waits by spinning, so two ranks on one core
-    # hand over only when the scheduler preempts the spinner (on one core the test took
-    # 113 s alone, on two 60 s); the ranks also import vLLM side by side.
+    # to pin each test worker's engines) is replaced by two different cores where there are
+    # two (why: the module docstring; on one core the test took 113 s alone, on two 60 s)
     bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
     cpus = _cpus()
     if "|" not in bind:
