@@ -51,6 +51,15 @@ def test_license_is_an_spdx_expression():
     assert "setuptools>=77" in PYPROJECT["build-system"]["requires"]
 
 
+def test_editable_install_is_a_simple_layout():
+    # scripts/setup.sh installs the checkout editable. Without package-dir {"": "."} setuptools
+    # treats the flat layout as "not simple", installs a meta path finder and warns (pip >= 25
+    # prints it: "Editable installation ... same name as your package"); with it the install is
+    # a .pth file and prints nothing. The wheel's contents are the same either way.
+    assert PYPROJECT["tool"]["setuptools"]["package-dir"] == {"": "."}
+    assert PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"] == ["vllm_tokenswift*"]
+
+
 @pytest.mark.engine  # imports vLLM in a subprocess
 def test_core_plugin_imports_without_optional_dependencies():
     code = textwrap.dedent(f"""
