@@ -53,7 +53,7 @@ def test_license_is_an_spdx_expression():
 
 def test_editable_install_is_a_simple_layout():
     # scripts/setup.sh installs the checkout editable. Without package-dir {"": "."} setuptools
-    # treats the flat layout as "not simple", installs a meta path finder and warns (pip >= 25
+    # treats the flat layout as "not simple", installs a meta path finder and warns (pip 26.3
     # prints it: "Editable installation ... same name as your package"); with it the install is
     # a .pth file and prints nothing. The wheel's contents are the same either way.
     assert PYPROJECT["tool"]["setuptools"]["package-dir"] == {"": "."}
