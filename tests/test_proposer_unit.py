@@ -541,8 +541,8 @@ def test_the_cut_keeps_the_first_token_past_it():
     st = _state(prop, "g", greedy_params())
     conf = [0.95, 0.95, 0.55, 0.95]
 
-    def cut(ch, threshold, cum=None, room=4, forced=False):
-        plan = StepPlan([_row(st, room=room)], [NGRAM], [forced], threshold, [{}])
+    def cut(ch, threshold, cum=None, room=4, forced=False, first=None):
+        plan = StepPlan([_row(st, room=room)], [NGRAM], [forced], threshold, [{}], threshold_first=first)
         return policy.cut(plan, 0, ch, cum)
 
     cum = np.asarray([0.9, 0.8, 0.2, 0.1])      # cut at 2 by threshold 0.5
@@ -554,6 +554,11 @@ def test_the_cut_keeps_the_first_token_past_it():
     assert c.past_cut == (7, SOURCE_NGRAM, 0.95)
     c = cut(Chain([5, 6], [SOURCE_NGRAM] * 2, 0.0, [0.95] * 2), 0.99, np.asarray([0.5, 0.4]), forced=True)
     assert c.chain.tokens == [5] and c.past_cut == (6, SOURCE_NGRAM, 0.95)
+    # a request's first draft priced below the later ones: its own, lower threshold
+    c = cut(Chain([5, 6], [SOURCE_NGRAM] * 2, 0.0, [0.95] * 2), 0.5, np.asarray([0.45, 0.3]), first=0.4)
+    assert c.chain.tokens == [5] and c.past_cut == (6, SOURCE_NGRAM, 0.95)
+    c = cut(Chain([5, 6], [SOURCE_NGRAM] * 2, 0.0, [0.95] * 2), 0.5, np.asarray([0.45, 0.3]))
+    assert c.chain.tokens == []
 
 
 def test_a_sampled_chain_drawn_from_q_is_cut_by_its_options_acceptance_not_by_its_confidence():

@@ -193,6 +193,7 @@ class StepPlan:
         forced: per row, whether the row must get at least one draft token.
         threshold: chains are cut where their calibrated cumulative acceptance falls to
             this (``b·θ``); negative: kept whole.
+        threshold_first: the first token's threshold (``min(b1, b)·θ``), or None: ``threshold``.
         cums: per row, option -> the estimated cumulative acceptance the decision used
             (the n-gram option's is its chain's own, reused when that chain is cut).
         decision: the cost-aware decision (``core.policy.decision.Decision``), or None.
@@ -209,6 +210,7 @@ class StepPlan:
     decision: Any = None
     plain_probe: bool = False
     lengths: list = field(default_factory=list)
+    threshold_first: float | None = None
 
     def chain_forwards(self, j: int) -> int:
         """Draft forwards of row ``j``'s self-speculative chain (0 unless it takes :data:`CHAIN`):
@@ -272,9 +274,9 @@ class StepCosts:
     """What the previous engine step cost, for the policy's cost model (seconds).
 
     Attributes:
-        step: ``(seconds, decode rows, draft tokens)`` of the verification step outside the
-            proposer's drafting work, or None when the step also prefilled (not a decode
-            step) or is the first.
+        step: ``(seconds, decode rows, draft tokens, rows verifying any draft)`` of the
+            verification step outside the proposer's drafting work, or None when the step
+            also prefilled (not a decode step) or is the first.
         forward: ``(seconds, rows)`` of the previous step's draft forward, or None.
         fused: ``(seconds, rows)`` of its fused heads, or None.
         chain: ``(seconds, rows)`` of each draft forward of its self-speculative chains

@@ -331,11 +331,13 @@ class TokenSwiftProposer:
     # ----------------------------------------------------------------- 2. account
     def _account(self, step: StepInput, verified: list[Verified], started: float) -> None:
         """Book what the step verified (metrics and policy) and what it cost: the time since
-        our last return plus our own fixed overhead is the draft-free step cost plus ``b``
-        per draft token (only a pure decode step tells it: no prefill tokens)."""
-        n_draft = 0
+        our last return plus our own fixed overhead is the draft-free step cost plus what
+        its draft tokens cost, a request's first apart from the rest (only a pure decode
+        step tells it: no prefill tokens)."""
+        n_draft = n_drafting = 0
         for v in verified:
             n_draft += v.num_verified
+            n_drafting += v.num_verified > 0
             last = v.proposal
             self.stats.record_verification(list(last.sources), v.num_verified, v.num_accepted,
                                            last.kind if last.sources else None)
@@ -344,7 +346,8 @@ class TokenSwiftProposer:
         n_decode = len(verified)
         new_tokens = step.num_scheduled_tokens - n_decode - n_draft
         if self._last_end is not None and n_decode and new_tokens <= 0:
-            costs = replace(costs, step=((started - self._last_end) + self._last_overhead, n_decode, n_draft))
+            costs = replace(costs, step=((started - self._last_end) + self._last_overhead, n_decode, n_draft,
+                                         n_drafting))
         self.policy.account(verified, costs)
 
     # ----------------------------------------------------------------- 3. plan

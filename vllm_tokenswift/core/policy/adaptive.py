@@ -168,7 +168,8 @@ class AdaptivePolicy(DraftingPolicy):
             decision.plain_probe = True
         self.last_decision = decision
         return StepPlan(list(rows), list(decision.kinds), forced, decision.threshold,
-                        [o.cums for o in options], decision, decision.plain_probe, list(decision.lengths))
+                        [o.cums for o in options], decision, decision.plain_probe, list(decision.lengths),
+                        decision.threshold_first)
 
     def row_options(self, r, step: int, has_fused: bool) -> dec.RowOptions:
         """Per available option, the estimated cumulative acceptance of row ``r``'s chain,
@@ -210,7 +211,8 @@ class AdaptivePolicy(DraftingPolicy):
     # ----------------------------------------------------------------- 3. cut
     def cut(self, plan: StepPlan, j: int, chain: Chain, cum=None) -> CutChain:
         """Cut row ``j``'s chain where its calibrated cumulative acceptance falls to the
-        plan's threshold (negative: keep it whole), at most the row's room, at least one
+        plan's threshold (its first token: ``plan.threshold_first``; negative: keep it
+        whole), at most the row's room, at least one
         token for a forced row. ``cum``: that acceptance if already computed for this very
         chain this step (the n-gram row's decision did).
 
@@ -226,7 +228,8 @@ class AdaptivePolicy(DraftingPolicy):
         if plan.threshold >= 0 and chain.tokens:
             if cum is None:
                 cum = self.calibrated_cum(chain, r.state.sampled, plan.kinds[j], r.state)
-            keep = min(keep, max(dec.cut_length(cum, plan.threshold), 1 if plan.forced[j] else 0))
+            keep = min(keep, max(dec.cut_length(cum, plan.threshold, plan.threshold_first),
+                                 1 if plan.forced[j] else 0))
         past = past_cut_of(chain, keep)      # before the cut: truncate works in place
         return CutChain(chain.truncate(keep), past)
 

@@ -24,14 +24,17 @@ and how long each chain is.
 
 **Cost model** (:class:`CostModel`). One engine step costs::
 
-    T = a + g·[D>0] + b·D + [any forward]·(f0 + f1·n_fwd) + [any fused]·(h0 + h1·n_fused)
-          + L·(c0 + c1·n_chain)
+    T = a + g·[D>0] + b1·F + b·(D - F) + [any forward]·(f0 + f1·n_fwd)
+          + [any fused]·(h0 + h1·n_fused) + L·(c0 + c1·n_chain)
 
 ``a``: a step that verifies no draft tokens (the plain decode step of this batch,
 plus the proposer's own fixed work); ``g``: the fixed extra cost of a step that
 verifies any draft (vLLM's rejection sampler and spec-decode metadata instead of
-the plain sampler); ``b``: each verified draft token; ``D``: draft tokens in the
-batch; ``f0 + f1·n`` and ``h0 + h1·n``: the draft forward and the fused heads for
+the plain sampler); ``b1``: a request's first verified draft token, ``b``: each
+later one (at long context on the CPU the first is nearly free, the verification's
+attention being bound by reading the KV cache, and the later ones are not; a cost
+dict without ``b1`` prices the first as the others); ``D``: draft tokens in the
+batch, ``F``: requests verifying any; ``f0 + f1·n`` and ``h0 + h1·n``: the draft forward and the fused heads for
 ``n`` rows; ``L``: the forwards of the step's self-speculative chains, each over
 ``n_chain`` rows' views and fitted apart (``c0 + c1·n``: no heads, one logits row per
 request; a cost dict without ``c0``/``c1`` prices them as draft forwards). Each is a non-negative ridge least-squares fit over the last
@@ -56,13 +59,14 @@ the chain selector's own confidence bin) estimates each token.
 the first ``j+1`` drafts of request r are accepted, a step generates
 ``R + Σ_{r,j} cum_{r,j}`` tokens in expectation. Maximising tokens per second
 ``(R + Σ cum) / T`` over which drafts to include is a ratio problem whose optimum
-includes exactly the drafts with ``cum > b·θ*``, ``θ*`` the optimal throughput
-(Dinkelbach iteration; a few rounds converge). The fixed costs of the draft
+includes exactly the drafts with ``cum > b·θ*`` (a request's first: ``cum > b1·θ*``),
+``θ*`` the optimal throughput (Dinkelbach iteration; a few rounds converge). The fixed costs of the draft
 forward and the fused heads are decided by enumerating the on/off combinations,
 plus plain decoding (no drafts, no ``g``); each request then takes the option with
 the largest surplus
-``Σ_j max(0, cum_j − b·θ)``. The chain builder later cuts each chain where its
-per-token estimate drops to ``b·θ`` (:attr:`Decision.threshold`).
+``Σ_j (cum_j − b_j·θ)`` over its best prefix (``b_0 = b1``, ``b_j = b``). The chain
+builder later cuts each chain where its per-token estimate drops to ``b·θ``
+(:attr:`Decision.threshold`; the first token: :attr:`Decision.threshold_first`).
 
 Determinism: decisions depend on the token history (acceptance counts), the
 draft probabilities and the cost model's numbers. Under tensor parallelism the
@@ -117,7 +121,9 @@ class Decision:
         kinds: per row, the option (``KINDS``).
         lengths: per row, the planned chain length (0 for ``none``).
         threshold: ``b·θ``: the chain builder cuts a chain where its estimated
-            cumulative acceptance falls to this value.
+            cumulative acceptance falls to this value ...
+        threshold_first: ... and its first token where it falls to this one,
+            ``min(b1, b)·θ`` (None: :attr:`threshold`).
         throughput: the expected tokens per second of the chosen plan (θ).
         step_seconds: its expected step time.
         expected_tokens: its expected generated tokens.
@@ -133,13 +139,17 @@ class Decision:
     #: the adaptive policy replaced the decision by a plain step to measure ``a`` apart
     #: from ``g`` (:func:`needs_plain_probe`)
     plain_probe: bool = False
+    threshold_first: float | None = None
 
 
 def _step_seconds(costs: dict, draft_tokens: int, n_fwd: int, n_fus: int, n_chain: int = 0,
-                  chain_len: int = 0) -> float:
+                  chain_len: int = 0, drafting_rows: int = 0) -> float:
     """``T`` of the module doc for a plan with these counts (``chain_len`` forwards for the
-    ``n_chain`` rows that take a self-speculative chain)."""
+    ``n_chain`` rows that take a self-speculative chain; ``drafting_rows``: ``F``, the rows
+    with at least one of the ``draft_tokens``, whose first is priced at ``b1``)."""
     t = costs["a"] + costs["b"] * draft_tokens
+    if drafting_rows and "b1" in costs:
+        t += (costs["b1"] - costs["b"]) * drafting_rows
     if n_chain and chain_len:
         t += chain_len * (_c0(costs) + _c1(costs) * n_chain)
     if draft_tokens > 0:
@@ -159,6 +169,30 @@ def _c0(costs: dict) -> float:
 def _c1(costs: dict) -> float:
     """A chain forward's cost per row (``c1``; the draft forward's ``f1`` when not given)."""
     return costs.get("c1", costs["f1"])
+
+
+def _b1(costs: dict) -> float:
+    """A request's first draft token's cost (``b1``; ``b`` when not given)."""
+    return costs.get("b1", costs["b"])
+
+
+def _best_prefix(vals: list, cut0: float, cut: float) -> tuple[int, float]:
+    """``(k, s)``: the prefix of ``vals`` (non-increasing ``cum_j``) with the largest surplus
+    ``s = Σ_{j<k} (cum_j - cut_j)`` (``cut_0 = cut0``, ``cut_j = cut`` after it), the
+    shortest of equal ones; ``(0, 0.0)`` when no prefix has a positive surplus. With
+    ``cut0 <= cut`` it is the drafts with ``cum_j > cut_j``; a dearer first draft
+    (``cut0 > cut``) may still be worth its followers. O(k): past the first position a
+    term ``<= 0`` ends it (``cum`` does not rise)."""
+    run = best = 0.0
+    k = 0
+    for j, v in enumerate(vals):
+        c = cut0 if j == 0 else cut
+        if j and not v > c:
+            break
+        run += v - c
+        if run > best:
+            best, k = run, j + 1
+    return k, best
 
 
 def _candidates(rows: Sequence[RowOptions]) -> list:
@@ -187,7 +221,7 @@ def _no_plan_beats(cands: list, costs: dict, theta0: float) -> bool:
     plus the draft forward and/or the fused heads with their fixed costs ``f0``/``h0``
     charged, and ``g`` charged always: a plan without drafts gives ``R - θ0·a <= 0``
     anyway), the largest value separates over the rows: each row adds the best of 0 and
-    its options' ``Σ_j max(0, cum_j - θ0·b)``, less ``θ0·f1`` (``θ0·h1``) for the
+    its options' best prefix surplus ``Σ_j (cum_j - θ0·b_j)`` (:func:`_best_prefix`), less ``θ0·f1`` (``θ0·h1``) for the
     forward (fused heads). A plan that uses fewer options than its combination is
     counted, with the right fixed costs, by the smaller combination. So when every
     combination's value is at most 0, so is every plan's. O(rows × options × k)."""
@@ -195,6 +229,7 @@ def _no_plan_beats(cands: list, costs: dict, theta0: float) -> bool:
         return False
     a, b = costs["a"], costs["b"]
     cut = b * theta0
+    cut0 = _b1(costs) * theta0
     tot = [0.0, 0.0, 0.0, 0.0]      # {ngram}, {ngram, forward}, {ngram, fused}, all
     has_fwd = has_fus = False
     lmax = max((len(vals) for _f, lst in cands for kind, vals, _p in lst if kind == CHAIN), default=0)
@@ -203,17 +238,15 @@ def _no_plan_beats(cands: list, costs: dict, theta0: float) -> bool:
         s_ng = s_fw = s_fu = 0.0
         s_ch = [0.0] * (lmax + 1)
         for kind, vals, _pre in lst:
-            sur = 0.0
-            for v in vals:
-                if v > cut:
-                    sur += v - cut
             if kind == CHAIN:
-                run = 0.0
+                run = top = 0.0           # the best prefix within the first L drafts
                 for L in range(1, lmax + 1):
-                    if L <= len(vals) and vals[L - 1] > cut:
-                        run += vals[L - 1] - cut
-                    s_ch[L] = run - theta0 * L * _c1(costs)
+                    if L <= len(vals):
+                        run += vals[L - 1] - (cut0 if L == 1 else cut)
+                        top = max(top, run)
+                    s_ch[L] = top - theta0 * L * _c1(costs)
                 continue
+            sur = _best_prefix(vals, cut0, cut)[1]
             if kind == NGRAM:
                 s_ng = sur
             elif kind == FORWARD:
@@ -253,17 +286,17 @@ def _plan(cands: list, allowed: set, costs: dict, iters: int = 6, chain_len: int
     non-increasing). Done with numpy on arrays of at most k values, :func:`decide` took
     4x longer at 8 rows (0.36 against 0.09 ms)."""
     R = len(cands)
-    b = costs["b"]
+    b, b1 = costs["b"], _b1(costs)
     theta = R / costs["a"]  # plain decoding's throughput as the first guess
     kinds = [NONE] * R
     lens = [0] * R
     t = costs["a"]
     gain = 0.0
     for _ in range(iters):
-        cut = b * theta
+        cut, cut0 = b * theta, b1 * theta
         gain = 0.0
         ntok = 0
-        n_fwd = n_fus = n_ch = 0
+        n_fwd = n_fus = n_ch = n_drafting = 0
         for i, (forced, lst) in enumerate(cands):
             best, best_s, best_k, best_gain = NONE, 0.0, 0, 0.0
             for kind, vals, pre in lst:
@@ -271,16 +304,11 @@ def _plan(cands: list, allowed: set, costs: dict, iters: int = 6, chain_len: int
                     continue
                 if kind == CHAIN:
                     vals = vals[:chain_len]
-                k = 0
-                for v in vals:             # non-increasing: the drafts worth more than the cut
-                    if not v > cut:
-                        break
-                    k += 1
+                k = _best_prefix(vals, cut0, cut)[0]
                 if forced:
                     k = max(k, 1) if vals else 0   # a forced option drafts at least one token
-                    s = pre[k] - cut * k + 1e9
-                else:
-                    s = pre[k] - cut * k
+                # (the surplus from the prefix sums, as the first-written search had it)
+                s = pre[k] - cut * k - ((cut0 - cut) if k else 0.0) + (1e9 if forced else 0.0)
                 if s > best_s:
                     best, best_s, best_k, best_gain = kind, s, k, pre[k]
             kinds[i], lens[i] = best, best_k
@@ -289,7 +317,8 @@ def _plan(cands: list, allowed: set, costs: dict, iters: int = 6, chain_len: int
             n_fwd += best == FORWARD
             n_fus += best == FUSED
             n_ch += best == CHAIN
-        t = _step_seconds(costs, ntok, n_fwd, n_fus, n_ch, chain_len)
+            n_drafting += best_k > 0
+        t = _step_seconds(costs, ntok, n_fwd, n_fus, n_ch, chain_len, n_drafting)
         new_theta = (R + gain) / t
         if abs(new_theta - theta) <= 1e-9 * max(theta, 1e-12):
             theta = new_theta
@@ -302,7 +331,8 @@ def plain_decision(rows: Sequence[RowOptions], costs: dict) -> Decision:
     """Plain decoding for every request: no drafts, step time ``a``, ``R/a`` tokens/s."""
     R = len(rows)
     a = costs["a"]
-    return Decision([NONE] * R, [0] * R, costs["b"] * R / a, R / a, a, float(R))
+    return Decision([NONE] * R, [0] * R, costs["b"] * R / a, R / a, a, float(R),
+                    threshold_first=min(_b1(costs), costs["b"]) * R / a)
 
 
 #: Relative margin by which a drafting plan's predicted throughput must beat plain
@@ -371,7 +401,8 @@ def decide(rows: Sequence[RowOptions], costs: dict, min_gain: float = MIN_GAIN) 
                               or best[0] <= plain[0] * margin):
         best = plain
     theta, kinds, lens, t, tokens = best
-    return Decision(kinds, lens, costs["b"] * theta, theta, t, tokens)
+    return Decision(kinds, lens, costs["b"] * theta, theta, t, tokens,
+                    threshold_first=min(_b1(costs), costs["b"]) * theta)
 
 
 def needs_plain_probe(decision: Decision, rows: Sequence[RowOptions], costs: dict,
@@ -406,15 +437,21 @@ def expected_tokens_per_second(cums: Sequence[np.ndarray], costs: dict, *, forwa
     module doc); the arithmetic :func:`decide` maximises, exposed for reports and tests."""
     R = len(cums)
     D = sum(len(c) for c in cums)
-    t = _step_seconds(costs, D, forward_rows, fused_rows)
+    t = _step_seconds(costs, D, forward_rows, fused_rows, drafting_rows=sum(len(c) > 0 for c in cums))
     return (R + float(sum(float(np.sum(c)) for c in cums))) / t
 
 
-def cut_length(cum: Sequence[float], threshold: float) -> int:
-    """Longest prefix whose cumulative estimates all exceed ``threshold`` (at least 0)."""
+def cut_length(cum: Sequence[float], threshold: float, first: float | None = None) -> int:
+    """Longest prefix whose cumulative estimates all exceed ``threshold``, the first one
+    ``first`` instead when given (at least 0).
+
+    Whether position j is kept depends on ``cum[0..j]`` only, never on a later position's
+    estimate: a later estimate may depend on the token drafted at j (see
+    :meth:`AdaptivePolicy.cut <vllm_tokenswift.core.policy.adaptive.AdaptivePolicy.cut>`)."""
     k = 0
     for c in cum:
-        if c <= threshold or not math.isfinite(c):
+        thr = first if (k == 0 and first is not None) else threshold
+        if c <= thr or not math.isfinite(c):
             break
         k += 1
     return k

@@ -140,10 +140,25 @@ def _solve_small(A: list, b: list) -> list:
 class CostModel:
     """Online step-cost model (see module doc). All times in seconds.
 
+    The step fit is ``a + g·[D>0] + b1·F + b·(D - F)`` over ``(1, [D>0], F, D - F)``, ``D``
+    the step's verified draft tokens and ``F`` the requests that verified any: a request's
+    first draft token is priced apart from its later ones (``b1`` against ``b``). One
+    price per draft token could not say what a long context does to verification on the
+    CPU: the attention of a request verifying ``q`` query tokens is bound by reading its
+    KV cache for ``q`` up to 2-3 and by arithmetic beyond, so at a 96K-token context (demo
+    model, the paper's sampling) verifying one draft cost no more than a plain step
+    (81.5 against 86.2 ms) while n-gram chains of 4-8 drafts cost about 9 ms per draft
+    token; fitted as one ``b`` = 8.9 ms, a one-token self-speculative chain was priced at
+    1.04x plain decoding's throughput, under the 5% margin, where ``triforce-1`` (one every
+    step) measured 1.21x (docs/bench/long, "At a 96K-token context"). With one request per
+    step ``[D>0]`` and ``F`` are the same column: ``g + b1`` is what the data fix, split by
+    the priors.
+
     Priors, as fractions of the draft-free step time ``a`` and of its per-request share
     ``a/R`` (``R``: requests in the step, averaged over the observations): a step that
     verifies any draft pays ``prior_g``·a once (the rejection sampler, the spec-decode
-    metadata and the wider logits), each verified draft token ``prior_b``·a (not ``a/R``:
+    metadata and the wider logits), each verified draft token ``prior_b``·a, the first of
+    a request's as the later ones (not ``a/R``:
     at batch 8 under the paper's sampling, where 98% of the steps are plain and the fit
     sees few drafting steps, ``0.08·a/8`` let through steps verifying 11-12 draft tokens,
     mostly n-gram tokens accepted about once per chain, that cost 7-10 ms per draft token
@@ -187,7 +202,7 @@ class CostModel:
     prior_fused_row: float = 0.05
     refresh_every: int = 1
     #: order of :meth:`state`
-    KEYS = ("a", "g", "b", "f0", "f1", "h0", "h1", "c0", "c1")
+    KEYS = ("a", "g", "b", "f0", "f1", "h0", "h1", "c0", "c1", "b1")
     _step: _RidgeFit = field(init=False)
     _fwd: _RidgeFit = field(init=False)
     _fus: _RidgeFit = field(init=False)
@@ -202,20 +217,32 @@ class CostModel:
     def __post_init__(self) -> None:
         if self.refresh_every < 1:
             raise ValueError(f"refresh_every must be >= 1, got {self.refresh_every}")
-        self._step = _RidgeFit(3, self.window, self.step_strength)
+        self._step = _RidgeFit(4, self.window, self.step_strength)
         self._fwd = _RidgeFit(2, self.window, self.strength)
         self._fus = _RidgeFit(2, self.window, self.strength)
         self._chn = _RidgeFit(2, self.window, self.strength)
 
     # ---------------------------------------------------------------- observations
-    def observe_step(self, seconds: float, rows: int, draft_tokens: int) -> None:
+    def observe_step(self, seconds: float, rows: int, draft_tokens: int,
+                     drafting_rows: int | None = None) -> None:
         """One engine step outside the proposer's forward/fused work: ``seconds`` for
-        ``rows`` requests verifying ``draft_tokens`` draft tokens in total."""
+        ``rows`` requests verifying ``draft_tokens`` draft tokens in total, ``drafting_rows``
+        of them at least one (None: ``min(rows, draft_tokens)``, exact for one request).
+
+        Raises:
+            ValueError: ``drafting_rows`` is more than ``rows`` or than ``draft_tokens``,
+                or is 0 while ``draft_tokens`` is not (or the reverse).
+        """
         if seconds <= 0 or rows <= 0:
             return
+        if drafting_rows is None:
+            drafting_rows = min(rows, max(0, draft_tokens))
+        if drafting_rows > min(rows, draft_tokens) or (drafting_rows > 0) != (draft_tokens > 0):
+            raise ValueError(f"{drafting_rows} drafting rows for {rows} rows and {draft_tokens} draft tokens")
         if len(self._step) == self.window and self._step.rows[0][0][1] == 0.0:
             self._plain -= 1          # a plain observation leaves the window
-        self._step.add((1.0, 1.0 if draft_tokens > 0 else 0.0, draft_tokens), seconds)
+        self._step.add((1.0, 1.0 if draft_tokens > 0 else 0.0, drafting_rows, draft_tokens - drafting_rows),
+                       seconds)
         self._plain += draft_tokens <= 0
         self._rows.append(rows)
         while len(self._rows) > self.window:
@@ -262,8 +289,9 @@ class CostModel:
         return self._frozen is not None or len(self._step) > 0
 
     def costs(self) -> dict:
-        """``{"a", "g", "b", "f0", "f1", "h0", "h1", "c0", "c1"}`` in seconds (rank 0's
-        numbers once :meth:`load_state` was called)."""
+        """``{"a", "g", "b", "f0", "f1", "h0", "h1", "c0", "c1", "b1"}`` in seconds (rank
+        0's numbers once :meth:`load_state` was called); ``b1``: a request's first draft
+        token, ``b``: each later one."""
         if self._frozen is not None:
             return dict(self._frozen)
         return self._estimate()
@@ -292,17 +320,18 @@ class CostModel:
     def _solve(self) -> dict:
         a_prior = self._a_prior()
         rows = sum(self._rows) / len(self._rows) if self._rows else 1.0
-        a, g, b = self._step.solve((a_prior, self.prior_g * a_prior, self.prior_b * a_prior),
-                                   (1.0, 1.0, 4.0 * rows))
+        a, g, b1, b = self._step.solve((a_prior, self.prior_g * a_prior, self.prior_b * a_prior,
+                                        self.prior_b * a_prior), (1.0, 1.0, rows, 4.0 * rows))
         a = max(a, 1e-6)
         b = max(b, 1e-4 * a / rows)
+        b1 = max(b1, 1e-4 * a / rows)
         per_row = a / rows
         f0, f1 = self._fwd.solve((self.prior_forward * a, self.prior_forward_row * per_row), (1.0, rows))
         h0, h1 = self._fus.solve((self.prior_fused * a, self.prior_fused_row * per_row), (1.0, rows))
         # a chain forward's prior is the draft forward's estimate (at most its cost: the same
         # forward without the heads), replaced by the chains' own measurements
         c0, c1 = self._chn.solve((f0, f1), (1.0, rows))
-        return {"a": a, "g": g, "b": b, "f0": f0, "f1": f1, "h0": h0, "h1": h1, "c0": c0, "c1": c1}
+        return {"a": a, "g": g, "b": b, "f0": f0, "f1": f1, "h0": h0, "h1": h1, "c0": c0, "c1": c1, "b1": b1}
 
     # ---------------------------------------------------------------- TP sync
     def state(self) -> np.ndarray:
