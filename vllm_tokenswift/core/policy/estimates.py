@@ -241,8 +241,7 @@ class CostModel:
             raise ValueError(f"{drafting_rows} drafting rows for {rows} rows and {draft_tokens} draft tokens")
         if len(self._step) == self.window and self._step.rows[0][0][1] == 0.0:
             self._plain -= 1          # a plain observation leaves the window
-        self._step.add((1.0, 1.0 if draft_tokens > 0 else 0.0, drafting_rows, draft_tokens - drafting_rows),
-                       seconds)
+        self._step.add(self._step_features(draft_tokens, drafting_rows), seconds)
         self._plain += draft_tokens <= 0
         self._rows.append(rows)
         while len(self._rows) > self.window:
@@ -251,6 +250,11 @@ class CostModel:
         self._stale_steps += 1
         if self._stale_steps >= self.refresh_every or self._steps_seen <= 2 * self.refresh_every:
             self._cached = None
+
+    @staticmethod
+    def _step_features(draft_tokens: int, drafting_rows: int) -> tuple:
+        """The step fit's row ``(1, [D>0], F, D - F)`` for ``a, g, b1, b``."""
+        return (1.0, 1.0 if draft_tokens > 0 else 0.0, drafting_rows, draft_tokens - drafting_rows)
 
     def observe_forward(self, seconds: float, rows: int) -> None:
         """One draft forward over ``rows`` requests (view planning included)."""
