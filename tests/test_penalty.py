@@ -184,3 +184,35 @@ def test_window_state_tracks_which_rows_need_vllm_penalties():
     assert st.rest.tolist()[:3] == [False, False, False]
     st.update_state(BatchUpdate(batch_size=2, removed=[], moved=[], added=[(0, sp(None, rep=1.3), None, [])]))
     assert st.rest_needed(2) and st.row_windows(2) == [0, 1024]
+
+
+@pytest.mark.parametrize("vocab", [10, 49152])
+def test_sparse_windowed_repetition_is_bit_identical_to_vllms_masked_op(vocab):
+    """Off CUDA the window's distinct tokens are scaled in place (O(W)); the logits equal,
+    bit for bit, vLLM's ``apply_repetition_penalties`` on a full-vocabulary mask of the same
+    tokens: repeated tokens penalized once, positive logits times 1/θ, others times θ,
+    rows outside ``rows`` and tokens outside the windows untouched, -inf kept."""
+    from vllm._custom_ops import apply_repetition_penalties_torch
+
+    from vllm_tokenswift.core.penalty import apply_windowed_repetition
+
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(4, vocab, generator=g) * 4
+    logits[1, 3] = float("-inf")
+    logits[1, 5] = 0.0
+    theta = torch.tensor([1.2, 1.7, 0.9, 1.05])
+    rows = [1, 2, 3]
+    windows = [[3, 5, 5, 7, vocab - 1] + torch.randint(0, vocab, (300,), generator=g).tolist(),
+               [], torch.randint(0, vocab, (1024,), generator=g).tolist()]
+    want = logits.clone()
+    mask = torch.zeros(4, vocab, dtype=torch.bool)
+    for r, toks in zip(rows, windows):
+        if toks:
+            mask[r, torch.as_tensor(toks)] = True
+    apply_repetition_penalties_torch(want, mask, torch.zeros_like(mask), theta)
+    got = apply_windowed_repetition(logits.clone(), rows, windows, theta)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(got[0], logits[0]) and torch.equal(got[2], logits[2])
+    changed = (got != logits).nonzero()
+    assert {(int(r), int(t)) for r, t in changed} <= {(r, t) for r, toks in zip(rows, windows) for t in toks}
+    assert got[1, 3] == float("-inf") and got[1, 5] == 0.0

@@ -54,7 +54,8 @@ def test_proposer_interfaces_exist_with_expected_signatures():
 def test_every_tokenswift_patch_is_active_here():
     assert patches.runner_patch_active()
     patches.require_patches()
-    optional = {"api-server-metrics", "draft-free-sampling", "draft-ids-in-output", "cpu-verify-attention"}
+    optional = {"api-server-metrics", "draft-free-sampling", "draft-ids-in-output", "cpu-verify-attention",
+                "cpu-recovered-noise"}
     assert set(patches.required_patch_names()) == {p.name for p in patches.PATCHES} - optional
 
 

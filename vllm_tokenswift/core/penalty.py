@@ -82,21 +82,39 @@ def window_tokens(prompt_row: torch.Tensor | np.ndarray | list[int], output: lis
 
 def apply_windowed_repetition(logits: torch.Tensor, rows: list[int], windows: list[list[int]],
                               penalties: torch.Tensor) -> torch.Tensor:
-    """Apply the repetition penalty of ``rows`` using only their window tokens.
+    """Apply the repetition penalty of ``rows`` using only their window tokens (paper Eq. 3).
 
-    Uses vLLM's ``apply_repetition_penalties`` op, so numerics equal vLLM's.
+    Numerics equal vLLM's ``apply_repetition_penalties``: a penalized logit ``l`` becomes
+    ``l * (1/θ)`` if ``l > 0`` else ``l * θ``, every other logit is unchanged. Off CUDA
+    (where vLLM's op is its torch fallback, two ``[rows, V]`` masks and two full-vocabulary
+    ``where`` passes) only the window's distinct tokens are gathered, scaled with the same
+    float32 operations and scattered back: O(W) per row instead of O(V), bit-identical.
+    On CUDA vLLM's own kernel runs on the masks.
 
     Args:
         logits: ``[num_rows, V]`` float32, modified in place.
         rows: row indices with a window.
-        windows: per such row, the window token ids.
-        penalties: ``[num_rows]`` repetition penalties θ.
-    """
-    from vllm._custom_ops import apply_repetition_penalties
+        windows: per such row, the window token ids (each in ``[0, V)``; repeats allowed).
+        penalties: ``[num_rows]`` float32 repetition penalties θ.
 
+    Returns:
+        ``logits``.
+    """
     if not rows:
         return logits
     v = logits.shape[1]
+    if not logits.is_cuda:
+        keys = [torch.as_tensor(toks, dtype=torch.long) + r * v for r, toks in zip(rows, windows) if toks]
+        if not keys:
+            return logits
+        key = torch.unique(torch.cat(keys)).to(logits.device)
+        rr, tt = key // v, key % v
+        got = logits[rr, tt]
+        theta = penalties.to(logits.device)[rr]
+        logits[rr, tt] = got * torch.where(got > 0, 1.0 / theta, theta)
+        return logits
+    from vllm._custom_ops import apply_repetition_penalties
+
     mask = torch.zeros((len(rows), v), dtype=torch.bool)
     for j, toks in enumerate(windows):
         if toks:

