@@ -26,6 +26,9 @@
 #                  step), so each budget's acceptance is measured on every step            (~30)
 #   budget-triforce  the same budgets with TriForce* (a self-speculative chain every step),
 #                  giving the target's own per-position acceptance over each view          (~30)
+#   smollm2-context  SmolLM2-135M and its heads, YaRN x4, a prefix of 8K and of 16K tokens of The
+#                  Brothers Karamazov, 1,024 tokens, the paper's sampling (SAMPLINGS=...), 2 paired
+#                  rounds; plain vLLM, ar-vk, TokenSwift, TriForce* (METHODS=...)         (~40)
 #   smollm2        SmolLM2-135M, YaRN x4, 2K prefix, 16K tokens, AR / TokenSwift, both
 #                  samplings, figures per 4K segment                                         (~80)
 # Prefix caching is on, so a prefix is prefilled once per engine, not once per run; the
@@ -84,6 +87,12 @@ for block in "$@"; do
         --methods ar-vk,tokenswift-b512,tokenswift,tokenswift-b4096,tokenswift-fullkv --sampling paper \
         --interleave --tokenswift '{"policy": "triforce", "use_heads": false, "ngram_topk": 0, "chain_length": 2}' \
         "${COMMON[@]}" --out "$OUT/budget-64k-triforce" ;;
+    smollm2-context)
+      for n in 8192 16384; do
+        $VT bench --model smollm2 --yarn 4 --book $BOOK --prefix-len $n --gen-lens 1024 \
+          --methods "${METHODS:-ar,ar-vk,tokenswift,triforce}" --sampling "${SAMPLINGS:-paper}" --interleave \
+          --repeats "${REPEATS:-2}" "${COMMON[@]}" --out "$OUT/smollm2-context-$((n / 1024))k"
+      done ;;
     smollm2)
       $VT bench --model smollm2 --yarn 4 --prefix-len 2048 --gen-lens 16384 --methods ar,tokenswift \
         --sampling greedy,paper --interleave --segment-tokens 4096 "${COMMON[@]}" --out "$OUT/smollm2-16k" ;;
