@@ -273,8 +273,9 @@ def recovered_noise_reciprocal(num_draft_tokens: list[int], vocab_size: int, gen
     rejected draft position is ``argmax_v residual(v) / E_v``, an exact draw from the
     normalized residual ``max(p - q, 0)``; vLLM ``rejection_sampler.sample_recovered_tokens``).
 
-    ``E = -log U`` with ``U`` uniform on ``[tiny, 1)`` (an exact inversion: ``E`` is finite and
-    positive, its tail cut at 87 where ``P(E > 87) = e^-87``). Rows of requests without draft
+    ``E = -log U``, ``U`` from ``uniform_()`` (inversion of the exponential CDF; ``U`` has the
+    resolution of ``dtype``, 2^-24 in float32, as in torch's own ``exponential_``, and a draw of
+    exactly 0 becomes the smallest normal float, so ``E`` is always finite and positive). Rows of requests without draft
     tokens or with greedy sampling are never read by the random-sampling kernel and get 1 without
     a draw; rows with their own ``torch.Generator`` (seeded requests) draw from it, as vLLM does.
 
