@@ -289,19 +289,23 @@ def recovered_noise_reciprocal(num_draft_tokens: list[int], vocab_size: int, gen
     Returns:
         ``[batch_size, V]`` tensor of ``dtype`` on ``device``.
     """
-    inv_q = torch.ones((len(num_draft_tokens), vocab_size), dtype=dtype, device=device)
     tiny = torch.finfo(dtype).tiny
+
+    def inv_exponential_(u: torch.Tensor) -> torch.Tensor:   # U (drawn in place) -> 1 / (-log U)
+        return u.clamp_min_(tiny).log_().neg_().reciprocal_()
+
+    batch = len(num_draft_tokens)
     rows = [i for i, n in enumerate(num_draft_tokens) if n > 0 and i not in greedy_rows and i not in generators]
-    if rows:
-        u = torch.empty((len(rows), vocab_size), dtype=dtype, device=device).uniform_()
-        u.clamp_min_(tiny).log_().neg_().reciprocal_()
-        if len(rows) == inv_q.shape[0]:
-            inv_q = u
-        else:
-            inv_q[torch.as_tensor(rows, dtype=torch.long, device=device)] = u
+    if rows and len(rows) == batch:
+        inv_q = inv_exponential_(torch.empty((batch, vocab_size), dtype=dtype, device=device).uniform_())
+    else:
+        inv_q = torch.ones((batch, vocab_size), dtype=dtype, device=device)
+        if rows:
+            inv_q[torch.as_tensor(rows, dtype=torch.long, device=device)] = inv_exponential_(
+                torch.empty((len(rows), vocab_size), dtype=dtype, device=device).uniform_())
     for i, gen in generators.items():
         if num_draft_tokens[i] > 0 and i not in greedy_rows:
-            inv_q[i].uniform_(generator=gen).clamp_min_(tiny).log_().neg_().reciprocal_()
+            inv_exponential_(inv_q[i].uniform_(generator=gen))
     return inv_q
 
 
