@@ -44,15 +44,25 @@ def test_patch_is_active_on_cpu():
     assert patching.RECORDS["cpu-recovered-noise"].status == "applied"
 
 
-def test_recovered_tokens_follow_the_residual_distribution():
+def test_recovered_tokens_follow_the_residual_distribution(monkeypatch):
     """At a rejected draft position vLLM samples from max(p - q, 0), normalized: with the
     patched noise, 40,000 requests' draws through vLLM's own function and CPU kernel match that
     distribution (each frequency within 5 standard errors), tokens with zero residual never
     come out, and a request without drafts is left alone."""
     import vllm.v1.sample.rejection_sampler as rs
-    from vllm.platforms import current_platform
+    from vllm.triton_utils.dispatcher import KernelOverride
+    from vllm.utils import cpu_triton_utils as cpu_tl
 
-    current_platform.register_triton_kernel_overrides()   # the CPU kernels, as a CPU worker does
+    # vLLM's CPU kernel, bound for this test only, as a CPU worker's
+    # register_triton_kernel_overrides() binds it everywhere. Not that call itself: its rebinding
+    # scan over sys.modules raises in a process that has imported llvmlite (its _lib_fn_wrapper
+    # answers __dict__ with a non-dict), which a test worker may have.
+    owner = rs._sample_recovered_tokens                    # the JIT warmup owner that launches it
+    if not isinstance(owner.kernel, KernelOverride):
+        kernel = KernelOverride(owner.kernel, cpu_tl._sample_recovered_tokens_kernel_impl)
+        monkeypatch.setattr(rs, "sample_recovered_tokens_kernel", kernel)
+        monkeypatch.setattr(owner, "kernel", kernel)
+        monkeypatch.delitem(owner.__dict__, "_kernel_arg_names", raising=False)
     p = torch.tensor([0.40, 0.30, 0.20, 0.10, 0.0])
     q = torch.tensor([0.10, 0.50, 0.10, 0.10, 0.20])
     resid = (p - q).clamp_min(0)
