@@ -63,6 +63,22 @@ if _XDIST.startswith("gw") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and
     except ImportError:
         pass
 
+# Test-process workaround for a vLLM bug (0.32 and 0.33, vllm/triton_utils/dispatcher.py
+# _rebind_kernels): every in-process CPU engine start re-registers vLLM's C++ kernel overrides,
+# whose scan over sys.modules calls vars(value).get("kernel") on any value answering
+# hasattr(value, "__dict__"). llvmlite's ffi.lib (imported with numba by vLLM's n-gram
+# proposer) answers every attribute through __getattr__, "__dict__" with a C-function wrapper,
+# so once an n-gram engine ran in a test worker, the next engine start there raised
+# AttributeError. Giving ffi.lib an empty "__dict__" entry in its function table makes the scan
+# skip it. Test-only: vLLM's default engines start their workers in fresh processes. It can go
+# once vLLM's scan tolerates such objects (unchanged in 0.33).
+try:
+    import llvmlite.binding.ffi as _llvmlite_ffi
+
+    _llvmlite_ffi.lib._fntab.setdefault("__dict__", {})
+except (ImportError, AttributeError):
+    pass
+
 #: test files by how long they take (seconds in a serial run), heaviest first: collected in
 #: this order, so that xdist hands the long files out first and the two workers finish
 #: together (files not listed follow in their usual order)
