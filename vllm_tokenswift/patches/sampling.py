@@ -275,9 +275,10 @@ def recovered_noise_reciprocal(num_draft_tokens: list[int], vocab_size: int, gen
 
     ``E = -log U``, ``U`` from ``uniform_()`` (inversion of the exponential CDF; ``U`` has the
     resolution of ``dtype``, 2^-24 in float32, as in torch's own ``exponential_``, and a draw of
-    exactly 0 becomes the smallest normal float, so ``E`` is always finite and positive). Rows of requests without draft
-    tokens or with greedy sampling are never read by the random-sampling kernel and get 1 without
-    a draw; rows with their own ``torch.Generator`` (seeded requests) draw from it, as vLLM does.
+    exactly 0 becomes the smallest normal float, so ``E`` is always finite and positive). Rows of
+    requests without draft tokens or with greedy sampling are never read by the random-sampling
+    kernel and get 1 without a draw; rows with their own ``torch.Generator`` (seeded requests)
+    draw from it, as vLLM does.
 
     Args:
         num_draft_tokens: ``[batch_size]`` draft tokens per request this step.
