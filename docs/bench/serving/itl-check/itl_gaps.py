@@ -7,8 +7,8 @@ starts, ttfts, itls = d["start_times"], d["ttfts"], d["itls"]
 first = [s + t for s, t in zip(starts, ttfts)]
 t0 = min(starts)
 gaps = explained = 0
-for i, (s, t, il) in enumerate(zip(starts, ttfts, itls)):
-    now = s + t
+for i, il in enumerate(itls):
+    now = first[i]
     for g in il:
         if g > THRESH:
             gaps += 1
