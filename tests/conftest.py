@@ -83,10 +83,10 @@ except (ImportError, AttributeError):
 #: this order, so that xdist hands the long files out first and the two workers finish
 #: together (files not listed follow in their usual order)
 HEAVY_FILES = ("test_openai_server.py", "test_tensor_parallel.py", "test_engine_lossless_llama.py",
-               "test_engine_lossless_qwen.py", "test_engine_lossless_chunked.py", "test_engine_sampled.py",
-               "test_models.py", "test_engine_lifecycle.py", "test_engine_compiled.py", "test_engine_long_context.py",
-               "test_serve_faults.py", "test_serve_cli.py", "test_startup_errors.py", "test_packaging.py",
-               "test_examples.py")
+               "test_engine_lifecycle.py", "test_engine_sampled.py", "test_serve_faults.py",
+               "test_engine_lossless_chunked.py", "test_engine_compiled.py", "test_engine_long_context.py",
+               "test_serve_cli.py", "test_engine_lossless_qwen.py", "test_models.py", "test_startup_errors.py",
+               "test_engine_verify_opt_in.py", "test_packaging.py", "test_examples.py")
 
 _PROC = Path("/proc")
 _LLM_ENGINE = "vllm.v1.engine.llm_engine"

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import pytest
-from lossless_utils import VOCAB, check_identical, run_pair
+from lossless_utils import SHORT_MAX_TOKENS, VOCAB, check_identical, run_pair
 from tiny_models import build_random_heads, build_tiny_model
 
 pytestmark = pytest.mark.engine  # starts vLLM engines (not in ./scripts/test.sh --fast)
@@ -16,15 +16,16 @@ def chunked_runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("llama_chunked")
     model = build_tiny_model(d / "model", "llama", vocab_size=VOCAB, hidden_size=128, heads=4, kv_heads=2, seed=5)
     heads = build_random_heads(d / "heads", 128, seed=6)
-    # ~12K tokens of KV for 8 requests of up to 3.3K tokens: preemption is certain
+    # ~6K tokens of KV for 8 requests of up to 2.1K tokens (12.9K in all): preemption is certain
     return run_pair(str(model), str(heads), tmp_extra={"max_num_batched_tokens": 256, "max_num_seqs": 8,
-                                                       "kv_cache_memory_bytes": 12 * 2**20},
-                    ts_over={"policy": "triforce", "chain_length": 2}, modes=(None, "window"))   # the global penalty is covered by the other pairs
+                                                       "kv_cache_memory_bytes": 6 * 2**20},
+                    ts_over={"policy": "triforce", "chain_length": 2}, modes=(None, "window"),   # the global penalty is covered by the other pairs
+                    max_tokens=SHORT_MAX_TOKENS)
 
 
 @pytest.mark.parametrize("mode", [None, "window"])
 def test_chunked_prefill_identical(chunked_runs, mode):
-    check_identical(chunked_runs, mode)
+    check_identical(chunked_runs, mode, SHORT_MAX_TOKENS)
 
 
 def test_preemption_happened(chunked_runs):

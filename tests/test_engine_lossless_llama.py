@@ -14,10 +14,11 @@ def llama_runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("llama")
     model = build_tiny_model(d / "model", "llama", vocab_size=VOCAB, hidden_size=128, heads=4, kv_heads=2)
     heads = build_random_heads(d / "heads", 128)
-    return run_pair(str(model), str(heads), ts_over={"policy": "paper"})
+    # vLLM's global penalty is covered by the Qwen2 pair
+    return run_pair(str(model), str(heads), ts_over={"policy": "paper"}, modes=(None, "window"))
 
 
-@pytest.mark.parametrize("mode", [None, "window", "global"])
+@pytest.mark.parametrize("mode", [None, "window"])
 def test_llama_gqa_greedy_identical(llama_runs, mode):
     check_identical(llama_runs, mode)
 
@@ -28,5 +29,4 @@ def test_view_reselected_and_drafts_counted(llama_runs):
 
 def test_window_changes_output(llama_runs):
     base = llama_runs[0]
-    assert base["window"] != base["global"]
     assert base["window"] != base[None]
