@@ -8,6 +8,9 @@
 #   probe-32k      the probe at 32K only (kv_budget 512/1024/4096, both kernels)            (~20)
 #   probe-16k      the probe at 16K, plugin kernel and plain vLLM, both samplings           (~10)
 #   probe-96k      the probe at 96K only (kv_budget 1024, both kernels)                     (~80)
+#   probe-64k-chains  the probe at 64K, the paper's sampling: plain vLLM, plain / verify 1-2 and
+#                  self-speculative chain steps of 1 and 2 forwards (TriForce*) on the kernel,
+#                  the draft forward over 1,024 tokens                                       (~20)
 #   probe-smollm2  cost probe, SmolLM2 with YaRN x4 at 8K and 16K, the paper's sampling, both
 #                  kernels and plain vLLM (12 min at 8K, 37 at 16K on 2026-12-04)          (~50)
 #   context-8k context-32k context-64k context-96k
@@ -62,6 +65,8 @@ for block in "$@"; do
           --tokens 128 --sampling $s --out "$OUT/probe-16k-$s"
       done ;;
     probe-96k) $VT probe --model tiny --contexts 98304 --kv-budgets 1024 --out "$OUT/probe-96k" ;;
+    probe-64k-chains) $VT probe --model tiny --contexts 65536 --drafts 0,1,2 --chains 1,2 --kv-budgets 1024 \
+        --kernels plugin,ar --sampling paper --tokens 64 --no-micro --out "$OUT/probe-64k-chains" ;;
     probe-smollm2) $VT probe --model smollm2 --yarn 4 --contexts 8192,16384 --kernels plugin,vllm,ar \
         --sampling paper --out "$OUT/probe-smollm2" ;;
     context-8k) context 8192 context-8k ;;

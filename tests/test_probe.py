@@ -169,6 +169,51 @@ def test_probe_directive_and_chain_length():
     assert pol.cut(plan, 0, Chain([], [], 0.0)).chain.tokens == [9, 9, 9]            # capped by the room
 
 
+def test_probe_chain_directive_plans_exact_chain_forwards():
+    from types import SimpleNamespace
+
+    from vllm_tokenswift.bench.probe_policy import ProbePolicy, probe_directive
+    from vllm_tokenswift.core.chain import SOURCE_CHAIN
+    from vllm_tokenswift.core.config import TokenSwiftConfig
+    from vllm_tokenswift.core.request_state import RequestState
+    from vllm_tokenswift.core.step import CHAIN, NGRAM, Row
+
+    assert probe_directive({"tokenswift_probe": {"kind": "chain", "drafts": 2}}) == ("chain", 2)
+    with pytest.raises(ValueError, match="tokenswift_probe"):
+        probe_directive({"tokenswift_probe": {"kind": "chain", "drafts": 0}})
+    cfg = TokenSwiftConfig.parse({"use_heads": False, "policy": "vllm_tokenswift.bench.probe_policy:ProbePolicy"})
+    pol = ProbePolicy(cfg, 8)
+    states = []
+    for _ in range(2):
+        st = RequestState(ngrams=None)
+        pol.on_new_request(st, SimpleNamespace(extra_args={"tokenswift_probe": {"kind": "chain", "drafts": 3}}))
+        states.append(st)
+    rows = [Row(0, "a", states[0], pos=10, room=8, context=[7, 8, 9], chain_room=8),
+            Row(1, "b", states[1], pos=4, room=8, context=[5], chain_room=0)]   # no lookahead slot
+    plan = pol.plan(rows, 1, False)
+    assert plan.kinds == [CHAIN, NGRAM]
+    assert [plan.chain_forwards(j) for j in range(2)] == [3, 0]
+    ch = pol.cut(plan, 0, Chain([4, 5, 6], [SOURCE_CHAIN] * 3, 0.0, [0.5, 0.4, 0.3])).chain
+    assert ch.tokens == [4, 5, 6] and ch.sources == [SOURCE_CHAIN] * 3
+    # the row without a slot verifies the same number of (padding) tokens
+    assert pol.cut(plan, 1, Chain([], [], 0.0)).chain.tokens == [5, 5, 5]
+
+
+def test_probe_chain_rows_note_their_draft_forwards():
+    r = {"context": 16384, "shape": "chain 2", "kernel": "plugin", "step": 30.0, "steps": 10,
+         "draft_forwards": 20, "draft_forward": 6.5, "draft_attention": 0.5}
+    r.update({p: 1.0 for p in probe.PARTS})
+    plain = dict(r, shape="plain", step=20.0, draft_forward=None, draft_forwards=0)
+    md = probe.markdown([plain, r], [])
+    assert "| 16,384 | chain 2 | plugin | 30.0 | 1.50x |" in md
+    assert "- 16,384, chain 2: 2.00 draft forwards per step, 6.5 ms each (0.5 ms attention)" in md
+
+
+def test_probe_rejects_chains_longer_than_the_engines_k():
+    with pytest.raises(SystemExit, match="--chains takes 1 to 8"):
+        probe.main(["--model", "tiny", "--chains", "1,9", "--no-micro"])
+
+
 def _snap(t, tokens, steps, drafts, accepted, ts=None):
     spec = {"num_drafts": drafts, "num_draft_tokens": 4 * drafts, "num_accepted_tokens": accepted,
             "accepted_per_pos": []}

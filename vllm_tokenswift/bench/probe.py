@@ -9,7 +9,9 @@ request verifies exactly ``k`` draft tokens, or runs the draft forward):
   tokens, with the plugin's verification attention (``verify_attention="auto"``) and,
   in an engine of its own, with vLLM's CPU kernel (``"vllm"``): before and after in
   one invocation;
-* the draft forward at each ``kv_budget`` (one engine per budget).
+* the draft forward at each ``kv_budget`` (one engine per budget);
+* self-speculative chain steps (``--chains``: ``m`` draft forwards over the middle budget's
+  view, then verifying the ``m`` drafted tokens: the TriForce* step), plugin kernel.
 
 A shape's steps are those of a ``--tokens`` request minus those of a 16-token request
 of the same shape (:func:`decode_steps`), so the first step of each, which prefills the
@@ -42,6 +44,7 @@ from vllm_tokenswift.bench.attention_op import (MICRO_Q, attention_microbench,  
 DEFAULT_CONTEXTS = {"tiny": [8192, 32768, 65536, 98304], "smollm2": [8192, 16384]}
 DEFAULT_DRAFTS = (0, 1, 2, 4, 8)
 DEFAULT_BUDGETS = (512, 1024, 4096)
+DEFAULT_CHAINS = (1, 2)
 #: tokens of the short request whose steps are subtracted from every timed one
 #: (:func:`decode_steps`)
 SHORT_TOKENS = 16
@@ -138,6 +141,14 @@ def markdown(rows: list[dict], micro: list[dict]) -> str:
             parts = [r[p] for p in PARTS]
         cells = " | ".join("-" if v is None else f"{v:.1f}" for v in parts)
         lines.append(f"| {r['context']:,} | {r['shape']} | {r['kernel']} | {ms:.1f} | {ratio} | {cells} |")
+    chains = [r for r in rows if r["shape"].startswith("chain") and r.get("draft_forward") is not None]
+    if chains:
+        lines += ["", "Chain steps: the proposer column holds their draft forwards (per call, over the "
+                      "budgeted view plus the chain so far):", ""]
+        for r in chains:
+            per_step = r["draft_forwards"] / r["steps"] if r.get("steps") else float("nan")
+            lines.append(f"- {r['context']:,}, {r['shape']}: {per_step:.2f} draft forwards per step, "
+                         f"{r['draft_forward']:.1f} ms each ({r['draft_attention'] or 0:.1f} ms attention)")
     if micro:
         n_layers = micro[0].get("layers", 1)
         lines += ["", f"Attention op alone (one request, ms per layer, median; {n_layers} layers' caches "
@@ -371,10 +382,12 @@ def check_windows(model: str, contexts: Sequence[int], yarn: float | None, token
 
 def probe_context(model: str, heads: str, context: int, *, yarn: float | None, drafts: Sequence[int],
                   budgets: Sequence[int], tokens: int, kernels: Sequence[str], bar=None,
-                  sampling: dict | None = None) -> list[dict]:
+                  sampling: dict | None = None, chains: Sequence[int] = ()) -> list[dict]:
     """All engines of one context length; rows for :func:`markdown` (see the module doc).
     The caller has checked ``context`` against the model's window (:func:`check_windows`).
-    ``sampling``: ``SamplingParams`` keyword arguments of every timed request (None: greedy)."""
+    ``sampling``: ``SamplingParams`` keyword arguments of every timed request (None: greedy);
+    ``chains``: chain lengths (draft forwards per step) timed in the plugin engine of the
+    middle budget, each at most ``probe_num_spec_tokens(drafts)``."""
     from vllm import LLM
 
     from vllm_tokenswift.bench.harness import teardown_engine
@@ -414,6 +427,8 @@ def probe_context(model: str, heads: str, context: int, *, yarn: float | None, d
             _run_shape(llm, prompt, {"kind": "ngram", "drafts": 0}, 2)       # prefill, cached after
             shapes = [("plain" if d == 0 else f"verify {d}", {"kind": "ngram", "drafts": d}) for d in drafts] \
                 if verify else []
+            if verify and kernel == "plugin":
+                shapes += [(f"chain {m}", {"kind": "chain", "drafts": m}) for m in chains]
             if kernel == "ar":
                 shapes = [("plain", {"kind": "ngram", "drafts": 0})]
             else:
@@ -463,6 +478,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "8192,16384 for smollm2)")
     p.add_argument("--drafts", type=lambda s: [int(x) for x in s.split(",")], default=list(DEFAULT_DRAFTS),
                    help="draft tokens per verifying step (default 0,1,2,4,8; 0 = the plain step)")
+    p.add_argument("--chains", type=lambda s: [int(x) for x in s.split(",") if x.strip()],
+                   default=list(DEFAULT_CHAINS),
+                   help="self-speculative chain steps to time, by draft forwards per step (default 1,2; "
+                        "'' for none), at the middle kv_budget, plugin kernel")
     p.add_argument("--kv-budgets", type=_ints, default=list(DEFAULT_BUDGETS),
                    help="draft forward kv_budget values (default 512,1024,4096)")
     p.add_argument("--tokens", type=int, default=96, help="tokens generated per timed shape (default 96, more than 32)")
@@ -496,6 +515,10 @@ def run_cli(args: argparse.Namespace) -> int:
     from vllm_tokenswift.bench.harness import engine_output_to
     from vllm_tokenswift.cli.models import model_window, read_model_config, resolve_target
 
+    bad = [m for m in args.chains if not 1 <= m <= probe_num_spec_tokens(args.drafts)]
+    if bad:
+        raise SystemExit(f"probe: --chains takes 1 to {probe_num_spec_tokens(args.drafts)} draft forwards per "
+                         f"step (num_speculative_tokens of the probe engines), got {bad}")
     if args.tokens <= 2 * SHORT_TOKENS:
         raise SystemExit(f"probe: --tokens must exceed {2 * SHORT_TOKENS} (the short request of "
                          f"{SHORT_TOKENS} tokens is subtracted from every timed one)")
@@ -529,6 +552,7 @@ def run_cli(args: argparse.Namespace) -> int:
     micro: list[dict] = []
     work: list[dict] = []
     meta = {"model": model, "heads": heads, "yarn": yarn, "contexts": contexts, "drafts": args.drafts,
+            "chains": args.chains,
             "kv_budgets": args.kv_budgets, "tokens": args.tokens, "kernels": kernels, "heads_q": hq,
             "heads_kv": hkv, "head_dim": d, "sampling": args.sampling, "micro_layers": micro_layers}
     sampling = None
@@ -551,12 +575,13 @@ def run_cli(args: argparse.Namespace) -> int:
             work = step_work_bench()
             save()
         if not args.micro_only:
-            per_ctx = (len(args.drafts) * (2 if "vllm" in kernels else 1) + len(args.kv_budgets)
+            per_ctx = (len(args.drafts) * (2 if "vllm" in kernels else 1) + len(args.kv_budgets) + len(args.chains)
                        + (1 if "vllm" in kernels else 0) + (1 if "ar" in kernels else 0))
             bar = tqdm(total=per_ctx * len(contexts), desc="probe", file=err, dynamic_ncols=True)
             for c in contexts:
                 rows += probe_context(model, heads, c, yarn=yarn, drafts=args.drafts, budgets=args.kv_budgets,
-                                      tokens=args.tokens, kernels=kernels, bar=bar, sampling=sampling)
+                                      tokens=args.tokens, kernels=kernels, bar=bar, sampling=sampling,
+                                      chains=args.chains)
                 save()
             bar.close()
         text = markdown(rows, micro)
