@@ -199,6 +199,16 @@ class TokenSwiftConfig(BaseModel):
             once for all query heads and tokens of the group
             (:mod:`vllm_tokenswift.kernels.verify_attention`; fp32 "vec" caches on x86-64 with
             AVX2, elsewhere vLLM's kernel); ``"vllm"``: vLLM's kernel for every request.
+        draft_forward: ``"auto"`` (default): on vLLM's CPU backend, the draft forward and the
+            self-speculative chains' forwards run natively, one C call over a packed copy of
+            the weights (:mod:`vllm_tokenswift.kernels.draft_forward`), once the engine's
+            first draft forward has shown it agrees with vLLM's model (fp32 Llama/Qwen2-style
+            targets with the plugin's kernel, one rank; elsewhere vLLM's model, logged once);
+            ``"vllm"``: always vLLM's model.
+        draft_weights: the native forward's copy of the weights: ``"bfloat16"`` (default;
+            half the target's fp32 size in host memory, half the bytes read per draft
+            forward) or ``"float32"`` (the target's own values, as much memory again). Drafts
+            only: the rejection sampler verifies every draft token against the full model.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -222,6 +232,8 @@ class TokenSwiftConfig(BaseModel):
     num_heads: int = Field(DEFAULT_NUM_HEADS, ge=0, le=16)
     log_interval_s: float = Field(10.0, ge=0.0)
     verify_attention: Literal["auto", "vllm"] = "auto"
+    draft_forward: Literal["auto", "vllm"] = "auto"
+    draft_weights: Literal["bfloat16", "float32"] = "bfloat16"
 
     @field_validator("tree")
     @classmethod

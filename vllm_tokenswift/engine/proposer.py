@@ -97,7 +97,8 @@ class TokenSwiftProposer:
         self._setup(cfg, num_spec_tokens=int(vllm_config.speculative_config.num_speculative_tokens),
                     block_size=block_size, max_model_len=int(vllm_config.model_config.max_model_len),
                     vocab_size=vocab, engine_seed=int(getattr(vllm_config.model_config, "seed", 0) or 0),
-                    tp_size=tp, target=TargetAccess(vllm_config, block_size, vocab, tp))
+                    tp_size=tp, target=TargetAccess(vllm_config, block_size, vocab, tp, cfg.draft_forward,
+                                                    cfg.draft_weights))
 
     @classmethod
     def from_settings(cls, cfg: TokenSwiftConfig, *, num_spec_tokens: int, block_size: int, max_model_len: int,
@@ -211,6 +212,7 @@ class TokenSwiftProposer:
 
         d = self.stats.summary(self.num_spec_tokens)
         d["key_layout"] = getattr(self.target_access, "key_layout", None)
+        d["draft_forward"] = _draft_forward_status(self.target_access)
         d["num_live_requests"] = len(self.states)
         d["prometheus_samples"] = self.stats.prometheus_samples()
         d["cost_model"] = self.policy.cost_estimates()
@@ -401,3 +403,14 @@ class TokenSwiftProposer:
                 q_by_row[r.batch_row] = drafts.q_rows[j]
         probs = self.draft_probs.fill(out, q_by_row, step.device) if q_by_row else None
         return StepProposal(out, probs)
+
+
+def _draft_forward_status(target) -> str:
+    """``native-bfloat16`` / ``native-float32`` (the native draft forward is on), ``pending``
+    (decided on the first draft forward) or ``vllm: <why>`` (for ``tokenswift_stats``)."""
+    state = getattr(target, "native_state", None)
+    if state == "on":
+        return f"native-{target.draft_weights}"
+    if state == "pending":
+        return "pending"
+    return f"vllm: {getattr(target, 'native_reason', None) or 'no native draft forward'}"

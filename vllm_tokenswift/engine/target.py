@@ -17,6 +17,13 @@ This is the only proposer code that touches vLLM's model and runner internals
   against per-request block tables (the budgeted views): vLLM's own attention
   metadata builders (``build_for_drafting``), ``set_forward_context`` with a
   per-layer metadata dict, the newest token's real slot in the slot mapping.
+* On vLLM's CPU backend the draft forward runs natively once it can
+  (:mod:`vllm_tokenswift.engine.native_draft`, setting ``draft_forward``): the engine's first
+  draft forward goes through vLLM's model (it also finds the KV layout), the native
+  forward then runs on the same inputs, and when the two agree (final hidden states within
+  :data:`NATIVE_TOLERANCE`) every later draft forward is one C call over a packed bf16 or
+  fp32 copy of the weights (:mod:`vllm_tokenswift.kernels.draft_forward`), its logits too
+  (:meth:`TargetAccess.logits`). Otherwise vLLM's forward stays, with one log line saying why.
 * :meth:`TargetAccess.verification_hidden` hands out the pre-norm hidden state
   the *verification* forward of this step computed at chosen token indices
   (fused heads, no extra forward). Available when that forward ran eagerly.
@@ -29,6 +36,7 @@ This is the only proposer code that touches vLLM's model and runner internals
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -39,6 +47,11 @@ from vllm_tokenswift.engine.kv_cache import KEY_READERS, detect_key_layout
 from vllm_tokenswift.engine.tensor_parallel import tp_all_gather
 
 logger = logging.getLogger("vllm_tokenswift")
+
+#: largest relative L2 difference between the native and vLLM's final hidden states on the
+#: first draft forward for the native forward to be used, by weight dtype (bf16 rounding of
+#: every weight moves the hidden state by a few parts in a thousand; fp32 only by summation order)
+NATIVE_TOLERANCE = {"bfloat16": 0.05, "float32": 1e-3}
 
 
 def _compiling() -> bool:
@@ -54,10 +67,21 @@ class TargetAccess:
         block_size: KV block size in tokens.
         vocab_size: the target's vocabulary size (logits are cut to it).
         tp_size: tensor-parallel world size.
+        draft_forward: ``"auto"``: the native draft forward where it applies (module doc);
+            ``"vllm"``: always vLLM's model.
+        draft_weights: the native forward's weight copy, ``"bfloat16"`` or ``"float32"``.
     """
 
-    def __init__(self, vllm_config, block_size: int, vocab_size: int, tp_size: int = 1):
+    def __init__(self, vllm_config, block_size: int, vocab_size: int, tp_size: int = 1,
+                 draft_forward: str = "auto", draft_weights: str = "bfloat16"):
         self.vllm_config = vllm_config
+        self.draft_weights = draft_weights
+        #: the packed decoder of the native draft forward, once it is on
+        self.native = None
+        #: ``"pending"`` (decided on the first draft forward), ``"on"`` or ``"off"``
+        self.native_state = "pending" if draft_forward == "auto" else "off"
+        #: why the native forward is off (None while pending or on)
+        self.native_reason: str | None = None if draft_forward == "auto" else "draft_forward is 'vllm'"
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.tp_size = tp_size
@@ -171,6 +195,8 @@ class TargetAccess:
             ``[n, H]``: the model output (final-normed hidden state); the pre-norm hidden
             state ``h_0`` (:attr:`draft_prenorm`) and each layer's query are captured.
         """
+        if self.native is not None:
+            return self._native_forward(token_ids, positions, slots, tables, seq_lens, request_uids)
         from vllm.forward_context import set_forward_context
         from vllm.v1.attention.backend import CommonAttentionMetadata
 
@@ -222,8 +248,67 @@ class TargetAccess:
             self._detect_layout(int(slot_t[0]))
         self.query_rows = {uid: k for k, uid in enumerate(request_uids)} if self._q else {}
         h = hidden if isinstance(hidden, torch.Tensor) else hidden[0]
+        if self.native_state == "pending":
+            self._try_native(runner, token_ids, positions, slots, tables, seq_lens, h[:n])
         return h[:n]
 
+    # ----------------------------------------------------------------- native draft forward
+    def _try_native(self, runner, token_ids, positions, slots, tables, seq_lens, h_vllm) -> None:
+        """Decide, once, whether later draft forwards run natively: build the packed decoder
+        and run it on the inputs vLLM's forward just had (rewriting the same slots' K/V);
+        on when the final hidden states agree within :data:`NATIVE_TOLERANCE`."""
+        from vllm_tokenswift.engine.native_draft import build_packed_decoder, describe, unsupported_reason
+
+        self.native_state = "off"
+        try:
+            reason = None
+            if self.key_layout != "cpu_vec":
+                reason = f"the KV cache layout is {self.key_layout or 'unknown'} (vLLM's CPU 'vec' layout only)"
+            elif any(getattr(g, "kernel_block_size", None) not in (None, self.block_size)
+                     for groups in runner.attn_groups for g in groups):
+                reason = "the attention kernel's block size differs from the KV cache's"
+            else:
+                reason = unsupported_reason(self.target, self.vllm_config, self._attn_modules, self.tp_size)
+            if reason is None:
+                t = time.perf_counter()
+                dec = build_packed_decoder(self.target, self.vllm_config, self._attn_modules, self.block_size,
+                                           self.draft_weights)
+                built = time.perf_counter() - t
+                self.native = dec
+                h_native = self._native_forward(token_ids, positions, slots, tables, seq_lens, None)
+                err = float((h_native - h_vllm.float()).norm() / h_vllm.float().norm().clamp_min(1e-30))
+                tol = NATIVE_TOLERANCE[self.draft_weights]
+                if not err <= tol:
+                    self.native = None
+                    reason = (f"its first forward differs from vLLM's by {err:.3g} (relative L2 of the final "
+                              f"hidden states; at most {tol:g} allowed)")
+                else:
+                    self.native_state = "on"
+                    logger.info("TokenSwift: native draft forward on (%s, packed in %.1f s; first forward within "
+                                "%.2g of vLLM's)", describe(dec), built, err)
+                    return
+        except Exception as e:  # noqa: BLE001 - any failure keeps vLLM's forward, said once
+            self.native = None
+            reason = f"{type(e).__name__}: {e}"
+        self.native_reason = reason
+        logger.info("TokenSwift: draft forward through vLLM's model (native draft forward off: %s)", reason)
+
+    def _native_forward(self, token_ids, positions, slots, tables, seq_lens, request_uids) -> torch.Tensor:
+        """The draft forward through :func:`~vllm_tokenswift.kernels.draft_forward.draft_forward`
+        (same arguments and captures as :meth:`draft_forward`; ``request_uids`` None: the
+        captures are left alone)."""
+        from vllm_tokenswift.kernels.draft_forward import draft_forward
+
+        emb = self.target.model.embed_tokens.weight
+        x = emb.index_select(0, torch.as_tensor(token_ids, dtype=torch.long)).float()
+        tabs = [torch.from_numpy(np.ascontiguousarray(t, dtype=np.int32)) for t in tables]
+        pre, hidden, q = draft_forward(self.native, x, positions, slots, tabs, seq_lens,
+                                       capture_queries=request_uids is not None and self.key_layout is not None)
+        if request_uids is not None:
+            self._prenorm = pre
+            self._q = {name: q[i] for i, name in enumerate(self.layer_names)} if q is not None else {}
+            self.query_rows = {uid: k for k, uid in enumerate(request_uids)} if self._q else {}
+        return hidden
     @property
     def draft_prenorm(self) -> torch.Tensor | None:
         """``h_0`` of the latest draft forward, ``[n, H]`` (None if not captured)."""
@@ -232,9 +317,16 @@ class TargetAccess:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's LM head (``compute_logits``) on ``[m, H]`` -> ``[m, V]`` float32.
 
+        With the native draft forward on, the packed copy of the LM head computes them.
+
         Raises:
             RuntimeError: this rank received no logits (platform gathers on rank 0 only).
         """
+        dec = self.native
+        if dec is not None and dec.lm_head is not None:
+            from vllm_tokenswift.kernels.draft_forward import packed_linear
+
+            return packed_linear(dec.lm_head, dec.vocab_size, hidden.float())
         out = self.target.compute_logits(hidden)
         if out is None:
             raise RuntimeError("TokenSwift: compute_logits returned no logits on this rank")

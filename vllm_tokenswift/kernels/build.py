@@ -1,4 +1,6 @@
-"""Building and loading the attention kernel (``kernels/verify_attention.c``).
+"""Building and loading the plugin's CPU kernel: the attention kernel
+(``kernels/verify_attention.c``) and the native draft forward (``kernels/draft_forward.c``),
+one library.
 
 The kernel is compiled with the system C compiler (``$CC``, default ``cc``; ``-O3 -mavx2
 -mfma -fopenmp``, about a second) into ``$VLLM_TOKENSWIFT_CACHE/kernels`` (default
@@ -46,6 +48,8 @@ from pathlib import Path
 logger = logging.getLogger("vllm_tokenswift")
 
 KERNEL_SOURCE = Path(__file__).parent / "verify_attention.c"
+#: every source compiled into the library (the attention kernel first)
+KERNEL_SOURCES = (KERNEL_SOURCE, Path(__file__).parent / "draft_forward.c")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
 #: :attr:`KernelStatus.state` values
@@ -119,7 +123,7 @@ def compiler() -> str:
 
 
 def build_kernel(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
-    """Compile ``verify_attention.c`` with :data:`CFLAGS` (plus ``extra_flags``) into ``out``,
+    """Compile :data:`KERNEL_SOURCES` with :data:`CFLAGS` (plus ``extra_flags``) into ``out``,
     atomically (a temporary file renamed into place: concurrent builders, e.g. tensor-parallel
     ranks, race harmlessly).
 
@@ -136,7 +140,7 @@ def build_kernel(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
     os.close(fd)
     try:
         try:
-            r = subprocess.run([cc, *CFLAGS, *extra_flags, "-o", tmp, str(KERNEL_SOURCE), "-lm"],
+            r = subprocess.run([cc, *CFLAGS, *extra_flags, "-o", tmp, *map(str, KERNEL_SOURCES), "-lm"],
                                capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.SubprocessError) as e:
             raise KernelBuildError(f"{cc} could not run: {e}") from e
@@ -151,9 +155,11 @@ def build_kernel(out: Path, extra_flags: tuple[str, ...] = ()) -> None:
 
 def kernel_path() -> Path:
     """The compiled library's path in :func:`kernel_cache_dir`: ``verify_attention-<key>.so``,
-    the key a hash of the source and :data:`CFLAGS` (not of the compiler, see the module
+    the key a hash of the sources and :data:`CFLAGS` (not of the compiler, see the module
     doc)."""
-    h = hashlib.sha256(KERNEL_SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for src in KERNEL_SOURCES:
+        h.update(src.read_bytes())
     h.update(" ".join(CFLAGS).encode())
     return kernel_cache_dir() / f"verify_attention-{h.hexdigest()[:16]}.so"
 
