@@ -37,3 +37,7 @@ def test_preemption_happened(chunked_runs):
     assert kinds["chain"] > 1000 and kinds["forward"] == kinds["fused"] == kinds["ngram"] == 0, kinds
     assert stats["chain_forward_rows"] > 1.5 * kinds["chain"] and stats["accepted_chain"] > 0
     assert stats["skipped_no_slot"] == 0
+    # through preemption and re-prefill, natively after the engine's first chain forward
+    # (that first forward holds the rows of one step: at most max_num_seqs)
+    assert stats["draft_forward"] == "native-bfloat16", stats["draft_forward"]
+    assert 1 <= stats["chain_forward_rows"] - stats["native_draft_rows"] <= 8, stats

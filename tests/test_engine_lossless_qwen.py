@@ -1,4 +1,5 @@
-"""Lossless end-to-end, a Qwen2-style model (qkv bias, tied embeddings, MHA) with policy "cycle" and per-layer views (see ``lossless_utils``)."""
+"""Lossless end-to-end, a Qwen2-style model (qkv bias, tied embeddings, MHA) with policy "cycle" and per-layer views,
+the draft forwards and chains through the native draft forward (see ``lossless_utils``)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ def test_cycle_policy_used_every_option(qwen_runs):
     assert all(stats["steps_by_kind"][k] > 1000 for k in ("forward", "chain", "fused", "none")), stats["steps_by_kind"]
     assert stats["accepted_by_kind"]["forward"] > 0 and stats["accepted_by_kind"]["chain"] > 0
     assert stats["chain_forward_rows"] >= stats["steps_by_kind"]["chain"]
+    # with q/k/v biases and one view per layer, natively after the engine's first draft forward
+    assert stats["draft_forward"] == "native-bfloat16", stats["draft_forward"]
+    assert stats["native_draft_rows"] > stats["chain_forward_rows"], stats
 
 
 def test_each_penalty_changes_output(qwen_runs):

@@ -13,7 +13,8 @@ Two TokenSwift engines (and one plain engine, all on one random target, shared b
 tests below): the default adaptive policy, and ``policy="cycle"``, which makes
 every request switch between the draft forward, a self-speculative chain (its tokens drawn
 one forward after another, each from the q handed over), fused heads, an n-gram chain and
-no draft from one step to the next. A third setting mixes four different prompts (different
+no draft from one step to the next (the draft forwards and chains run natively,
+``kernels/draft_forward.c`` with bf16 weights, after each engine's first). A third setting mixes four different prompts (different
 lengths and ``max_tokens``, so requests finish at different steps and batch rows move)
 in one batch and tests each prompt's histograms separately: a misalignment between the
 draft distributions handed to the rejection sampler and the requests would show there.
@@ -184,6 +185,11 @@ def test_cycle_switched_between_all_options(samples):
     kinds = samples[3]["cycle"]["steps_by_kind"]
     assert all(kinds[k] > 500 for k in ("forward", "chain", "fused", "none")), kinds
     assert samples[3]["cycle"]["accepted_fused"] > 0 and samples[3]["cycle"]["accepted_chain"] > 0
+    # the draft forwards and chains whose samples the distribution tests compare ran natively
+    # (kernels/draft_forward.c, bf16 weights): all but the engine's first one
+    st = samples[3]["cycle"]
+    assert st["draft_forward"] == "native-bfloat16", st["draft_forward"]
+    assert st["native_draft_rows"] > 1000, st["native_draft_rows"]
 
 
 def test_drafts_were_both_accepted_and_rejected(samples):

@@ -11,7 +11,8 @@ def build_tiny_model(out_dir: str | Path, arch: str = "llama", *, vocab_size: in
                      hidden_size: int = 128, layers: int = 2, heads: int = 4, kv_heads: int = 2,
                      max_pos: int = 8192, seed: int = 0, init_std: float = 0.2) -> Path:
     """Save a random ``arch`` ("llama": GQA, untied; "qwen2": qkv bias, tied embeddings, MHA)
-    model (fp32 safetensors + config) to ``out_dir``. head_dim = hidden/heads must be one the
+    model (fp32 safetensors + config) to ``out_dir``. The Qwen2 model's q/k/v biases are drawn
+    like its weights (HF initialises them to zero, which would leave the bias path untested). head_dim = hidden/heads must be one the
     CPU attention kernel supports (32, 64, ...).
 
     A larger ``init_std`` than HF's default makes the random model's next-token
@@ -34,6 +35,10 @@ def build_tiny_model(out_dir: str | Path, arch: str = "llama", *, vocab_size: in
         cfg = Qwen2Config(num_key_value_heads=heads, tie_word_embeddings=True,
                           use_sliding_window=False, **common)
         model = Qwen2ForCausalLM(cfg)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0.0, init_std)
     else:
         raise ValueError(arch)
     model.save_pretrained(out, safe_serialization=True)

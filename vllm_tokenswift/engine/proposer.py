@@ -213,6 +213,7 @@ class TokenSwiftProposer:
         d = self.stats.summary(self.num_spec_tokens)
         d["key_layout"] = getattr(self.target_access, "key_layout", None)
         d["draft_forward"] = _draft_forward_status(self.target_access)
+        d["native_draft_rows"] = getattr(self.target_access, "native_rows", 0)
         d["num_live_requests"] = len(self.states)
         d["prometheus_samples"] = self.stats.prometheus_samples()
         d["cost_model"] = self.policy.cost_estimates()

@@ -82,6 +82,8 @@ class TargetAccess:
         self.native_state = "pending" if draft_forward == "auto" else "off"
         #: why the native forward is off (None while pending or on)
         self.native_reason: str | None = None if draft_forward == "auto" else "draft_forward is 'vllm'"
+        #: rows (request-forwards) the native draft forward has run
+        self.native_rows = 0
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.tp_size = tp_size
@@ -305,6 +307,7 @@ class TargetAccess:
         pre, hidden, q = draft_forward(self.native, x, positions, slots, tabs, seq_lens,
                                        capture_queries=request_uids is not None and self.key_layout is not None)
         if request_uids is not None:
+            self.native_rows += len(token_ids)
             self._prenorm = pre
             self._q = {name: q[i] for i, name in enumerate(self.layer_names)} if q is not None else {}
             self.query_rows = {uid: k for k, uid in enumerate(request_uids)} if self._q else {}
