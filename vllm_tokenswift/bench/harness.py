@@ -174,7 +174,7 @@ def timed_run(llm: Any, prompts: list[list[int]], sp_kwargs: dict[str, Any], gen
     else:
         rec.update({"ngram_acceptance": None, "draft_time_share": None,
                     "time_draft_s": None, "time_verify_s": None, "steps_by_kind": None,
-                    "accepted_by_kind": None})
+                    "accepted_by_kind": None, "draft_forward": None})
     rec.update(report.distinct_scores(ids))
     return rec, ids
 

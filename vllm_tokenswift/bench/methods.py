@@ -67,6 +67,12 @@ TOKENSWIFT_VARIANTS: dict[str, dict[str, Any]] = {
     "triforce-1": {"policy": "triforce", "use_heads": False, "ngram_topk": 0, "chain_length": 1},
     "triforce-4": {"policy": "triforce", "use_heads": False, "ngram_topk": 0, "chain_length": 4},
     "medusa": {"policy": "medusa", "ngram_topk": 0},
+    # the draft forward through vLLM's model instead of the native one (the before of
+    # kernels/draft_forward.c), and the native one with fp32 weights
+    "tokenswift-vllmfwd": {"draft_forward": "vllm"},
+    "triforce-vllmfwd": {"policy": "triforce", "use_heads": False, "ngram_topk": 0, "chain_length": 2,
+                         "draft_forward": "vllm"},
+    "tokenswift-fp32w": {"draft_weights": "float32"},
 }
 
 #: vLLM n-gram (prompt lookup) settings. ``ngram``: vLLM's documented example;

@@ -117,11 +117,12 @@ def plugin_stats_after(llm: Any, was_reset: bool, before: dict | None, k: int
     ``time_verify_s`` (engine-step time outside the proposer: verification forward,
     sampling and bookkeeping), ``steps_by_kind`` / ``accepted_by_kind`` (request-steps
     per drafting decision and the draft tokens accepted after each, this run only),
+    ``draft_forward`` (which draft forward ran: ``native-bfloat16``, ``vllm: <why>``, ...),
     ``plugin_stats`` (raw dict).
     """
     res: dict[str, Any] = {"ngram_acceptance": None, "draft_time_share": None,
                            "time_draft_s": None, "time_verify_s": None, "plugin_stats": None,
-                           "steps_by_kind": None, "accepted_by_kind": None}
+                           "steps_by_kind": None, "accepted_by_kind": None, "draft_forward": None}
     get = _plugin_fn("get_engine_stats")
     if get is None:
         return res
@@ -142,6 +143,7 @@ def plugin_stats_after(llm: Any, was_reset: bool, before: dict | None, k: int
     res["plugin_stats"] = st
     res["steps_by_kind"] = st.get("steps_by_kind")
     res["accepted_by_kind"] = st.get("accepted_by_kind")
+    res["draft_forward"] = st.get("draft_forward") if isinstance(st.get("draft_forward"), str) else None
     res["ngram_acceptance"] = st.get("ngram_acceptance")
     res["draft_time_share"] = st.get("draft_time_share")
     res["time_draft_s"] = st.get("time_draft_s")

@@ -1,11 +1,11 @@
-"""``python -m vllm_tokenswift.kernels``: build (if needed) and load the CPU attention kernel
-and print its status.
+"""``python -m vllm_tokenswift.kernels``: build (if needed) and load the plugin's CPU kernel (the
+attention kernel and the native draft forward, one library) and print its status.
 
 Run at the end of ``scripts/setup.sh`` (CPU target) and in the CPU Docker image's build, so
 that the kernel is there before the first engine starts, also where no compiler is. Output,
 one ``key: value`` per line (``status`` last)::
 
-    source: .../vllm_tokenswift/kernels/verify_attention.c
+    source: .../vllm_tokenswift/kernels/verify_attention.c .../vllm_tokenswift/kernels/draft_forward.c
     path: ~/.cache/vllm-tokenswift/kernels/verify_attention-<key>.so
     status: loaded from ~/.cache/vllm-tokenswift/kernels/verify_attention-<key>.so
 
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     path = kb.kernel_path()
-    print(f"source: {kb.KERNEL_SOURCE}")
+    print(f"source: {' '.join(str(p) for p in kb.KERNEL_SOURCES)}")
     print(f"path: {path}")
     if args.build_only:
         if not kb.is_x86_64():
